@@ -1,0 +1,75 @@
+"""What crosses the server ↔ runtime boundary: sampling parameters, engine requests, finished outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request decoding settings, already validated (see runtime/openai_adapter.py)."""
+
+    max_tokens: int = 16  # output cap per choice, >= 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # same seed + same prompt = same output
+    stop: tuple[str, ...] = ()  # stop strings, not included in the text
+    stop_token_ids: tuple[int, ...] = ()  # extra stop ids besides the model's EOS
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
+    n: int = 1  # choices per request
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20, needs logprobs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    id: str  # unique among requests given to one engine run
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()  # (token id, text, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    index: int
+    token_ids: tuple[int, ...]  # generated ids, stop string/EOS excluded
+    text: str
+    finish_reason: FinishReason
+    logprobs: tuple[TokenLogprob, ...] | None = None  # set when params.logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """A problem with one request: it fails alone, never the engine (a 400 in the error file)."""
+
+    message: str
+    param: str | None = None
+    code: str | None = None
+    status_code: int = 400
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    id: str
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    choices: tuple[Choice, ...] = field(default=())
+    error: RequestError | None = None  # set instead of choices when the request failed
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)

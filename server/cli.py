@@ -1,0 +1,54 @@
+"""The `blendserve` command: serve, worker, migrate, run. Each subcommand imports only what it needs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="blendserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the API with one embedded worker process")
+    serve.add_argument("--host", default=None, help="default: BLENDSERVE_HOST or 127.0.0.1")
+    serve.add_argument("--port", type=int, default=None, help="default: BLENDSERVE_PORT or 8000")
+    serve.add_argument("--no-worker", action="store_true", help="API only; run workers apart")
+
+    sub.add_parser("worker", help="run one batch worker (claims batches from SQL or Redis)")
+    sub.add_parser("migrate", help="apply database migrations and exit")
+
+    run = sub.add_parser("run", help="run a batch JSONL file offline, like `vllm run-batch`")
+    run.add_argument("input", help="input JSONL (OpenAI batch lines)")
+    run.add_argument("-o", "--output", required=True, help="output JSONL")
+    run.add_argument("--errors", default=None, help="error JSONL (default: beside the output)")
+    run.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
+    run.add_argument("--policy", choices=["fcfs", "dfs", "blend"], default="blend")
+    run.add_argument("--max-batch-tokens", type=int, default=None)
+    run.add_argument("--kv-memory", type=int, default=None, help="KV cache budget in bytes")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "serve":
+        from server.app import serve_main
+
+        return serve_main(args)
+    if args.command == "worker":
+        from server.worker import worker_main
+
+        return worker_main(args)
+    if args.command == "migrate":
+        from server.db import migrate_main
+
+        return migrate_main(args)
+    if args.command == "run":
+        from server.offline import run_main
+
+        return run_main(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

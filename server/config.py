@@ -1,0 +1,78 @@
+"""Settings, read once at the edge from BLENDSERVE_* environment variables (pydantic-settings)."""
+
+from __future__ import annotations
+
+import ipaddress
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BLENDSERVE_", extra="ignore")
+
+    data_dir: Path = Path("./data")
+    database_url: str | None = None  # None = sqlite:///<data_dir>/blendserve.db
+    redis_url: str | None = None  # None = in-process queue (SQL row claims)
+    api_keys: str | None = None  # "key:project,key:project"; None = no auth (loopback only)
+    model: str = "smollm2-135m-instruct"  # served model: a name, an HF folder, a .gguf, dummy:<shape>
+    policy: str = "blend"  # admission policy the worker uses: fcfs | dfs | blend
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    # Limits
+    max_file_bytes: int = 200 * 1024 * 1024
+    max_batch_lines: int = 50_000
+    max_metadata_pairs: int = 16
+    max_metadata_key_chars: int = 64
+    max_metadata_value_chars: int = 512
+
+    # Engine
+    max_batch_tokens: int = 2048  # tokens (decode + prefill) per engine step
+    kv_memory_bytes: int | None = None  # None = the runtime's default budget
+
+    # Worker
+    worker_poll_seconds: float = Field(default=0.5, gt=0)
+    worker_stall_seconds: float = Field(default=60.0, gt=0)  # a claim idle this long is taken over
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @model_validator(mode="after")
+    def _refuse_open_server_off_loopback(self) -> Settings:
+        if not self.api_keys and not _is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve without BLENDSERVE_API_KEYS on non-loopback host {self.host!r}"
+            )
+        return self
+
+    @cached_property
+    def sqlalchemy_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'blendserve.db'}"
+
+    @cached_property
+    def key_projects(self) -> dict[str, str]:
+        """API key → project; empty when auth is off."""
+        out: dict[str, str] = {}
+        for pair in (self.api_keys or "").split(","):
+            pair = pair.strip()
+            if not pair:
+                continue
+            key, sep, project = pair.partition(":")
+            if not sep or not key or not project:
+                raise ValueError(f"BLENDSERVE_API_KEYS entry {pair!r} is not key:project")
+            out[key] = project
+        return out
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
