@@ -1,0 +1,468 @@
+"""The `blend` admission policy: warm-up sampling, then a dual scan over the planned order.
+
+Lifecycle: (1) admit the warm-up sample (estimate.py) and wait for their true lengths;
+(2) estimate the rest, sort and split (split.py) into one sequence, compute-heavy left,
+memory-heavy right; (3) each step the right cursor admits memory-heavy requests, longest first
+so long decodes start early, within M_R = M − M_L where M_L = M·(ρ_t − ρ_R)/(ρ_L − ρ_R) clamped
+to [0, M] (ρ over the leaves at each cursor that would fill M, ρ_t over what is left), and the
+left cursor admits compute-heavy requests as the prefill queue drains; (4) pacing. A step costs
+max(T_comp, T_mem), so compute under a step's memory time is free and compute beyond it is not:
+the prefill budget fills compute up to this step's KV-read time, or, while compute is the larger
+remainder, up to τ_c = remaining compute / the decode steps the longest remaining request still
+needs; the memory side admits while its steady-state read Σ(p + d̂/2) fits in
+max(remaining compute, remaining memory) / those steps. Work then ends with the longest decode,
+and no step is so long that long decodes crawl. DESIGN.md's per-side steady state
+C = N·p̄/d̄ is reported in `MemorySplit`; in the simulator it left steps compute-bound while
+decodes were young, so the budget follows the step's actual memory time instead.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.cost_model import CostModel
+from scheduler.errors import PlanningError
+from scheduler.estimate import (
+    DEFAULT_PRIOR,
+    corrected_estimate,
+    estimate_output_lengths,
+    length_dispersion,
+    overrun_factor,
+    select_warmup_samples,
+)
+from scheduler.prefix_tree import PrefixTree
+from scheduler.split import Plan, build_plan
+from scheduler.types import PlanRequest, StepBudget
+
+LEFT, RIGHT = 0, 1
+WINDOW_LEAVES = 256  # ρ at a cursor: over the leaves that would fill M, at most this many
+RIGHT_MAX_SHARE = 0.9  # the memory side reserves at most this share of the KV capacity
+PACE_LEAN = 0.05  # fill compute 5% past a step's memory time (or short of it, memory-bound)
+ROUND_ABOVE_MULTIPLES = 4  # steps of at least this many batch multiples are rounded to them
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySplit:
+    """One step's view of the two cursors: densities, memory shares and steady-state prefill."""
+
+    rho_left: float
+    rho_right: float
+    rho_target: float
+    mem_left: float  # KV tokens of the left (compute-heavy) side
+    mem_right: float
+    prefill_left: float  # DESIGN.md steady state C = N·p̄/d̄ of each side, tokens per step
+    prefill_right: float
+
+
+def split_memory(
+    rho_left: float, rho_right: float, rho_target: float, capacity: float
+) -> tuple[float, float]:
+    """M_L = M·(ρ_t − ρ_R)/(ρ_L − ρ_R) clamped to [0, M]; all to the left when densities tie."""
+    if not rho_left > rho_right:
+        return float(capacity), 0.0
+    share = (rho_target - rho_right) / (rho_left - rho_right)
+    m_left = float(capacity) * min(1.0, max(0.0, share))
+    return m_left, float(capacity) - m_left
+
+
+def steady_prefill(mem_tokens: float, mean_computed: float, mean_output: float) -> float:
+    """C = N·p̄/d̄ with N = M/(p̄ + d̄/2): prefill that replaces a side's finishers each step."""
+    if mem_tokens <= 0 or mean_output <= 0:
+        return 0.0
+    n = mem_tokens / max(mean_computed + mean_output / 2.0, 1.0)
+    return n * mean_computed / mean_output
+
+
+class _RangeMax:
+    """Sparse table: max of a fixed array over [lo, hi) in O(1)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self._levels = [np.asarray(values, dtype=np.float64)]
+        width = 1
+        while 2 * width <= len(values):
+            prev = self._levels[-1]
+            self._levels.append(np.maximum(prev[:-width], prev[width:]))
+            width *= 2
+
+    def __call__(self, lo: int, hi: int) -> float:
+        if hi <= lo:
+            return 0.0
+        k = (hi - lo).bit_length() - 1
+        level = self._levels[k]
+        return float(max(level[lo], level[hi - (1 << k)]))
+
+
+class BlendPolicy:
+    """BlendServe's planner as an AdmissionPolicy; see the module docstring."""
+
+    name = "blend"
+
+    def __init__(
+        self,
+        requests: Sequence[PlanRequest],
+        *,
+        tree: PrefixTree,
+        cost_model: CostModel,
+        kv_capacity_tokens: int,
+        sample_rate: float = 0.01,
+        seed: int = 0,
+        keep_sharing: float = 0.99,
+    ) -> None:
+        self._reqs = list(requests)
+        self._index = {r.id: i for i, r in enumerate(self._reqs)}
+        if len(self._index) != len(self._reqs):
+            raise PlanningError("request ids must be unique within a batch")
+        self._tree = tree
+        self._cost = cost_model
+        self._spt = cost_model.seconds_per_token
+        self._skv = cost_model.seconds_per_kv_token
+        self._capacity = int(kv_capacity_tokens)
+        self._keep = keep_sharing
+        self._max_tokens = np.array([r.max_tokens for r in self._reqs], dtype=np.int64)
+        self._known = np.array(
+            [-1 if r.known_output_len is None else r.known_output_len for r in self._reqs],
+            dtype=np.int64,
+        )
+        self._samples = [
+            int(i)
+            for i in select_warmup_samples(tree, self._known >= 0, rate=sample_rate, seed=seed)
+        ]
+        self._warm_next = 0  # next sample to admit
+        self._warm_left = set(self._samples)  # samples not finished yet
+        self._sample_lens: dict[int, int] = {}
+        self._plan: Plan | None = None
+        self._est = np.array(
+            [
+                min(r.max_tokens, DEFAULT_PRIOR) if k < 0 else k
+                for r, k in zip(self._reqs, self._known)
+            ],
+            dtype=np.float64,
+        )
+        self._phi = 1.0  # E[d²]/d̂² (estimate.length_dispersion)
+        self._overrun = 1.0  # critical-path allowance for overruns (estimate.overrun_factor)
+        # Running requests: request -> [side, reserved KV, p, d̂, generated, d̂ allowing overrun].
+        self._run: dict[int, list[float]] = {}
+        self._used = [0.0, 0.0]  # reserved KV per side
+        self._avg_read = 0.0  # Σ (p + d̂/2): steady-state KV read per step
+        self._read = 0.0  # Σ (p + g): KV read by the next step
+        self._rem_comp = 0.0  # Σ (d̂ − g)·2P/F: decode compute still to do
+        self._rem_mem = 0.0  # Σ (d̂ − g)·(p + (d̂ + g)/2)·kv/B: decode memory still to do
+        self._left_heap: list[tuple[float, int, float]] = []  # (−(d̂ − g), request, g) lazy max
+        self._split: MemorySplit | None = None
+        self._decoding = 0  # running requests that have reported progress (past their prefill)
+        self._credit = 0.0  # prefill tokens owed to past steps by batch-multiple rounding
+        if not self._warm_left:
+            self._make_plan()
+
+    # ---------------------------------------------------------------- planning
+    def _make_plan(self) -> None:
+        idx = np.array(sorted(self._sample_lens), dtype=np.int64)
+        lens = np.array([self._sample_lens[i] for i in idx], dtype=np.float64)
+        self._est = estimate_output_lengths(
+            self._tree, self._max_tokens, self._known, idx, lens, prior=DEFAULT_PRIOR
+        )
+        exclude = np.zeros(len(self._reqs), dtype=bool)
+        exclude[self._samples] = True
+        self._phi = length_dispersion(self._tree, idx, lens)
+        plan = build_plan(
+            self._tree,
+            self._est,
+            self._cost,
+            exclude=exclude,
+            keep_sharing=self._keep,
+            dispersion=self._phi,
+        )
+        self._plan = plan
+        self._cum_need = np.concatenate(([0.0], np.cumsum(plan.computed + plan.output / 2.0)))
+        self._cum_comp = np.concatenate(([0.0], np.cumsum(plan.comp)))
+        self._cum_mem = np.concatenate(([0.0], np.cumsum(plan.mem)))
+        self._cum_computed = np.concatenate(([0.0], np.cumsum(plan.computed)))
+        self._cum_prompt = np.concatenate(([0.0], np.cumsum(plan.prompt)))
+        self._cum_out = np.concatenate(([0.0], np.cumsum(plan.output)))
+        self._overrun = overrun_factor(self._tree, idx, lens)
+        crit = np.minimum(plan.output * self._overrun, self._max_tokens[plan.order])
+        self._max_out = _RangeMax(crit)  # decode steps the longest unadmitted request may need
+        self._left, self._right = 0, len(plan)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The planned order once warm-up has finished (None before)."""
+        return self._plan
+
+    @property
+    def planned(self) -> bool:
+        return self._plan is not None
+
+    @property
+    def leaves_moved(self) -> int | None:
+        return None if self._plan is None else self._plan.leaves_moved
+
+    @property
+    def reserved_kv(self) -> tuple[float, float]:
+        """KV tokens reserved by running requests of the (left, right) side."""
+        return self._used[LEFT], self._used[RIGHT]
+
+    @property
+    def kv_read_tokens(self) -> float:
+        """Σ (p + generated) over running requests: KV the next step reads."""
+        return self._read
+
+    def side_of(self, request_id: str) -> int | None:
+        """0 (left, compute-heavy) or 1 (right, memory-heavy) for a running request."""
+        row = self._run.get(self._index.get(request_id, -1))
+        return None if row is None else int(row[0])
+
+    @property
+    def warmup_request_ids(self) -> list[str]:
+        return [self._reqs[i].id for i in self._samples]
+
+    def _window(self, lo: int, hi: int) -> tuple[float, float, float]:
+        """(ρ, p̄ computed, d̄) over plan positions [lo, hi)."""
+        comp = self._cum_comp[hi] - self._cum_comp[lo]
+        mem = self._cum_mem[hi] - self._cum_mem[lo]
+        n = max(hi - lo, 1)
+        rho = comp / mem if mem > 0 else float("inf")
+        return (
+            rho,
+            (self._cum_computed[hi] - self._cum_computed[lo]) / n,
+            (self._cum_out[hi] - self._cum_out[lo]) / n,
+        )
+
+    def memory_split(self, capacity: float) -> MemorySplit:
+        """Densities at both cursors, the M_L / M_R split and each side's steady-state prefill."""
+        lo, hi = self._left, self._right
+        j = int(np.searchsorted(self._cum_need, self._cum_need[lo] + capacity, side="right"))
+        j = min(max(j - 1, lo + 1), hi, lo + WINDOW_LEAVES)
+        k = int(np.searchsorted(self._cum_need, self._cum_need[hi] - capacity, side="left"))
+        k = max(min(k, hi - 1), lo, hi - WINDOW_LEAVES)
+        rho_l, p_l, d_l = self._window(lo, j)
+        rho_r, p_r, d_r = self._window(k, hi)
+        rho_t = self._window(lo, hi)[0]
+        m_l, m_r = split_memory(rho_l, rho_r, rho_t, capacity)
+        return MemorySplit(
+            rho_l,
+            rho_r,
+            rho_t,
+            m_l,
+            m_r,
+            steady_prefill(m_l, p_l, d_l),
+            steady_prefill(m_r, p_r, d_r),
+        )
+
+    def remaining(self, waiting_prefill_tokens: int) -> tuple[float, float, float]:
+        """(compute s, memory s, decode steps of the longest request) left in the plan and in flight."""
+        lo, hi = self._left, self._right
+        comp = (
+            self._cum_comp[hi]
+            - self._cum_comp[lo]
+            + self._rem_comp
+            + waiting_prefill_tokens * self._spt
+        )
+        mem = self._cum_mem[hi] - self._cum_mem[lo] + self._rem_mem
+        return comp, mem, max(self._max_out(lo, hi), self._longest_running(), 1.0)
+
+    # ---------------------------------------------------------------- running bookkeeping
+    def _contribution(self, p: float, d: float, g: float) -> tuple[float, float, float, float]:
+        left = max(d - g, 0.0)
+        # Expected memory still to read: Σ_{k=g}^{d} (p + k) with the d² part widened by φ.
+        mem = (p * left + self._phi * (d * d - g * g) / 2.0) * self._skv if left > 0 else 0.0
+        return p + d / 2.0, p + g, left * self._spt, max(mem, 0.0)
+
+    def _account(self, row: list[float], sign: float) -> None:
+        side, need, p, d, g, _ = row
+        avg, read, comp, mem = self._contribution(p, d, g)
+        self._used[int(side)] += sign * need
+        self._avg_read += sign * avg
+        self._read += sign * read
+        self._rem_comp += sign * comp
+        self._rem_mem += sign * mem
+
+    def _start(self, req: int, side: int, need: float) -> None:
+        d = float(self._est[req])
+        crit = min(d * self._overrun, float(self._max_tokens[req]))
+        row = [float(side), need, float(self._reqs[req].prompt_len), d, 0.0, crit]
+        self._run[req] = row
+        self._account(row, 1.0)
+        heapq.heappush(self._left_heap, (-crit, req, 0.0))
+
+    def _longest_running(self) -> float:
+        heap = self._left_heap
+        while heap:
+            neg, req, g = heap[0]
+            row = self._run.get(req)
+            if row is not None and row[4] == g and -neg == row[5] - g:
+                return -neg
+            heapq.heappop(heap)
+        return 0.0
+
+    # ---------------------------------------------------------------- AdmissionPolicy
+    def admit(self, budget: StepBudget) -> list[PlanRequest]:
+        if self._plan is None:
+            return self._admit_warmup(budget)
+        plan = self._plan
+        capacity = float(budget.kv_capacity_tokens or self._capacity)
+        split = self._split = (
+            self.memory_split(capacity) if self._left < self._right else self._split
+        )
+        r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens)
+        # The memory side may read up to τ = max(remaining work) / critical-path steps per step:
+        # ahead of compute is free while compute is the larger remainder, and no faster than
+        # the longest decode allows while memory is.
+        read_budget = max(r_comp, r_mem) / steps / self._skv
+        queued = float(budget.waiting_prefill_tokens)
+        free = float(budget.free_kv_tokens) - queued
+        out: list[PlanRequest] = []
+        used_total = self._used[LEFT] + self._used[RIGHT]
+        # 1. Memory side: longest decodes first, within M_R, capacity and the read budget.
+        # Keep a margin for the compute side: memory-side requests overrun their estimates, and
+        # a compute side shut out of KV leaves steps memory-bound.
+        m_right = min(split.mem_right, RIGHT_MAX_SHARE * capacity) if split is not None else 0.0
+        while self._left < self._right:
+            pos = self._right - 1
+            computed, d, p = (
+                float(plan.computed[pos]),
+                float(plan.output[pos]),
+                float(plan.prompt[pos]),
+            )
+            need = computed + d  # full reservation: memory-side requests grow together
+            alone = not self._run and not out
+            if not alone and (
+                self._used[RIGHT] + need > m_right
+                or used_total + need > capacity
+                or self._avg_read + p + d / 2.0 > read_budget
+                or computed > free
+            ):
+                break
+            self._right -= 1
+            out.append(self._take(pos, RIGHT, need))
+            used_total += need
+            queued += computed
+            free -= computed
+        # 2. Compute side: keep about one step of prefill queued, in the executor's free KV and
+        # in what the memory side leaves; estimate overruns inflate the memory side's
+        # reservations, so they count only up to its maximum share.
+        left_room = capacity - min(self._used[RIGHT], RIGHT_MAX_SHARE * capacity) - self._used[LEFT]
+        # The executor's queue counts whole prompts, cached prefixes included: scale the pace.
+        lo = self._left
+        hi = min(self._right, lo + WINDOW_LEAVES)
+        prompt_per_computed = (self._cum_prompt[hi] - self._cum_prompt[lo]) / max(
+            self._cum_computed[hi] - self._cum_computed[lo], 1.0
+        )
+        pace = (
+            max(self._prefill_tokens(r_comp, r_mem, steps, self._decoding), 1.0)
+            * prompt_per_computed
+        )
+        while self._left < self._right:
+            pos = self._left
+            computed, d = float(plan.computed[pos]), float(plan.output[pos])
+            need = computed + d / 2.0
+            alone = not self._run and not out
+            if not alone and (queued >= pace or need > free or need > left_room):
+                break
+            self._left += 1
+            out.append(self._take(pos, LEFT, need))
+            left_room -= need
+            queued += computed
+            free -= computed
+        return out
+
+    def _take(self, pos: int, side: int, need: float) -> PlanRequest:
+        assert self._plan is not None
+        req = int(self._plan.order[pos])
+        self._start(req, side, need)
+        return self._reqs[req]
+
+    def _prefill_tokens(self, r_comp: float, r_mem: float, steps: float, decoding: int) -> float:
+        """Prefill tokens that fill the step's compute up to its memory time, or up to the
+        critical-path pace max(remaining compute / steps) when compute is the larger remainder."""
+        seconds = self._read * self._skv
+        # Steps vary; lean towards the larger remainder, whose extra work is never wasted.
+        if r_comp > r_mem:
+            seconds = max(seconds * (1.0 + PACE_LEAN), r_comp / steps)
+        else:
+            seconds *= 1.0 - PACE_LEAN
+        return max(seconds / self._spt - decoding, 0.0)
+
+    def _admit_warmup(self, budget: StepBudget) -> list[PlanRequest]:
+        out: list[PlanRequest] = []
+        free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
+        while self._warm_next < len(self._samples):
+            req = self._samples[self._warm_next]
+            r = self._reqs[req]
+            need = r.prompt_len + float(self._est[req]) / 2.0
+            alone = not self._run and not out
+            if not alone and (
+                sum(self._used) + need > budget.kv_capacity_tokens or r.prompt_len > free
+            ):
+                break
+            self._start(req, RIGHT, need)
+            free -= r.prompt_len
+            self._warm_next += 1
+            out.append(r)
+        return out
+
+    def prefill_budget(self, budget: StepBudget) -> int | None:
+        """This step's prefill tokens. A step big enough to be compute-bound carries a total
+        token count (decode + prefill) in batch multiples; a small one is exact (on a GPU it is
+        weight-bound, so padding buys nothing). Rounding remainders carry over as credit, so
+        the average rate is exact."""
+        if self._plan is None or self._read <= 0:
+            return None  # warm-up, or nothing decodes: no memory time to pace compute against
+        multiple = max(1, self._cost.hardware.batch_multiple)
+        decoding = self._decoding
+        want = self._prefill_tokens(*self.remaining(budget.waiting_prefill_tokens), decoding)
+        if budget.waiting_prefill_tokens <= 0:
+            self._credit = 0.0
+            return int(want)
+        self._credit = min(self._credit + want, want + 2 * multiple)
+        total = decoding + self._credit
+        grain = multiple if total >= ROUND_ABOVE_MULTIPLES * multiple else 1
+        prefill = max(int(total // grain) * grain - decoding, 0)
+        self._credit -= prefill
+        return prefill
+
+    def on_finish(self, request_id: str, output_len: int) -> None:
+        req = self._index.get(request_id)
+        if req is None:
+            return
+        row = self._run.pop(req, None)
+        if row is not None:
+            self._account(row, -1.0)
+            self._decoding -= row[4] > 0
+        if not self._run:  # drop float drift
+            self._used = [0.0, 0.0]
+            self._avg_read = self._read = self._rem_comp = self._rem_mem = 0.0
+            self._decoding = 0
+        if req in self._warm_left:
+            self._warm_left.discard(req)
+            self._sample_lens[req] = int(output_len)
+            if self._plan is None and not self._warm_left and self._warm_next >= len(self._samples):
+                self._make_plan()
+
+    def on_progress(self, request_id: str, generated: int) -> None:
+        """Track progress; a request past its estimate is re-estimated and charged to the memory side."""
+        req = self._index.get(request_id)
+        row = self._run.get(req) if req is not None else None
+        if row is None or req is None:
+            return
+        self._account(row, -1.0)
+        self._decoding += row[4] == 0 and generated > 0
+        row[4] = float(generated)
+        if generated >= row[3]:
+            new = corrected_estimate(row[3], generated, int(self._max_tokens[req]))
+            row[1] += new - row[3]
+            row[0] = float(RIGHT)
+            row[3] = new
+            row[5] = max(row[5], min(new * self._overrun, float(self._max_tokens[req])))
+            self._est[req] = new
+        self._account(row, 1.0)
+        heapq.heappush(self._left_heap, (-(row[5] - row[4]), req, row[4]))
+
+    def has_pending(self) -> bool:
+        if self._plan is None:
+            return True
+        return self._left < self._right

@@ -1,0 +1,175 @@
+"""Output-length estimation: which requests to run first as a warm-up sample, and what to expect
+of the rest.
+
+Requests that share a prompt prefix tend to ask for similar work (same few-shot task, same
+instruction), so the sampled mean of the nearest subtree is a good guess. Sampling systematically
+along the DFS leaf order puts a sample in every run of `n / budget` consecutive leaves, hence in
+every large subtree; subtrees the stride skips get one extra sample each, up to the cap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from scheduler.prefix_tree import PrefixTree
+
+DEFAULT_PRIOR = 256  # tokens, when nothing has been sampled
+DEFAULT_CAP = 4096  # most warm-up samples
+DEFAULT_MIN_LARGE = 64  # a subtree with this many unknown-length requests gets a sample
+_NEAREST_BY_LENGTH = 8  # sibling fallback: mean over the samples nearest in prompt length
+
+
+def select_warmup_samples(
+    tree: PrefixTree,
+    known: np.ndarray,
+    *,
+    rate: float = 0.01,
+    seed: int = 0,
+    cap: int = DEFAULT_CAP,
+    min_large: int = DEFAULT_MIN_LARGE,
+) -> np.ndarray:
+    """Request indices to run first; `known[i]` True means request i's length is known (no sample)."""
+    unknown = ~np.asarray(known, dtype=bool)
+    cand = tree.leaf_requests[unknown[tree.leaf_requests]]  # unknown requests, DFS order
+    if len(cand) == 0 or rate <= 0:
+        return np.empty(0, dtype=np.int64)
+    budget = int(min(cap, max(1, math.ceil(rate * len(cand)))))
+    step = len(cand) / budget
+    offset = np.random.default_rng(seed).random() * step
+    picked = cand[np.minimum((offset + step * np.arange(budget)).astype(np.int64), len(cand) - 1)]
+    chosen = np.zeros(tree.num_requests, dtype=bool)
+    chosen[picked] = True
+    # Large subtrees the stride missed get one sample each, deepest first: a sample inside a
+    # deep subtree also covers its ancestors.
+    n_unknown = tree.leaf_prefix_sum(unknown.astype(np.float64))
+    n_chosen = tree.leaf_prefix_sum(chosen.astype(np.float64))
+    missing = np.flatnonzero((n_unknown >= min_large) & (n_chosen == 0))
+    room = cap - int(chosen.sum())
+    for node in missing[np.argsort(-tree.depth[missing], kind="stable")]:
+        if room <= 0:
+            break
+        reqs = tree.leaf_requests[tree.leaf_lo[node] : tree.leaf_hi[node]]
+        if chosen[reqs].any():
+            continue
+        reqs = reqs[unknown[reqs]]
+        chosen[reqs[len(reqs) // 2]] = True
+        room -= 1
+    return np.flatnonzero(chosen)
+
+
+def estimate_output_lengths(
+    tree: PrefixTree,
+    max_tokens: np.ndarray,
+    known_lens: np.ndarray,
+    sampled: np.ndarray,
+    sampled_lens: np.ndarray,
+    *,
+    prior: int = DEFAULT_PRIOR,
+) -> np.ndarray:
+    """[requests] estimated output length (float), known lengths as-is, capped by max_tokens.
+
+    `known_lens[i]` < 0 means unknown. Fallbacks per request: the mean of the samples in the
+    nearest ancestor subtree below the root that holds any; else the samples under the root whose
+    prompt lengths are nearest (siblings of similar size); else `prior`.
+    """
+    n = tree.num_requests
+    sampled = np.asarray(sampled, dtype=np.int64)
+    s_lens = np.asarray(sampled_lens, dtype=np.float64)
+    per_req_len = np.zeros(n)
+    per_req_cnt = np.zeros(n)
+    per_req_len[sampled] = s_lens
+    per_req_cnt[sampled] = 1.0
+    cnt = tree.leaf_prefix_sum(per_req_cnt)
+    tot = tree.leaf_prefix_sum(per_req_len)
+    est = np.full(n, float(prior))
+    if len(sampled):
+        # Climb from every leaf's parent until a node below the root holds a sample.
+        node = tree.parent[tree.leaf_node]
+        active = np.flatnonzero((node > 0) & (cnt[np.maximum(node, 0)] == 0))
+        while len(active):
+            node[active] = tree.parent[node[active]]
+            active = active[(node[active] > 0) & (cnt[node[active]] == 0)]
+        found = node > 0
+        est[found] = tot[node[found]] / cnt[node[found]]
+        rest = np.flatnonzero(~found)
+        if len(rest):
+            est[rest] = _nearest_by_length(tree.prompt_lens, sampled, s_lens, rest)
+        est[sampled] = s_lens
+    known = np.asarray(known_lens) >= 0
+    est = np.minimum(est, np.asarray(max_tokens, dtype=np.float64))
+    est[known] = np.asarray(known_lens, dtype=np.float64)[known]
+    return np.maximum(est, 1.0)
+
+
+def _nearest_by_length(
+    prompt_lens: np.ndarray, sampled: np.ndarray, s_lens: np.ndarray, rest: np.ndarray
+) -> np.ndarray:
+    """Mean output of the samples whose log prompt length is nearest each of `rest`."""
+    keys = np.log1p(prompt_lens[sampled].astype(np.float64))
+    order = np.argsort(keys, kind="stable")
+    keys, vals = keys[order], s_lens[order]
+    k = max(1, min(_NEAREST_BY_LENGTH, len(keys) // 4))  # few samples: the nearest alone
+    q = np.log1p(prompt_lens[rest].astype(np.float64))
+    pos = np.searchsorted(keys, q)
+    # The k nearest lie inside the window [pos - k, pos + k); pick them by distance.
+    offs = np.arange(-k, k)
+    idx = np.clip(pos[:, None] + offs[None, :], 0, len(keys) - 1)  # [rest, 2k]
+    dist = np.abs(keys[idx] - q[:, None])
+    dist[:, 1:][idx[:, 1:] == idx[:, :-1]] = np.inf  # clipped duplicates count once
+    best = np.argsort(dist, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(vals[idx], best, axis=1).mean(axis=1)
+
+
+def corrected_estimate(estimate: float, generated: int, max_tokens: int) -> float:
+    """A running request has reached its estimate: assume it is halfway, within its cap."""
+    if generated < estimate:
+        return estimate
+    return float(min(max_tokens, max(2 * generated, generated + 16)))
+
+
+def _leave_one_out(tree: PrefixTree, sampled: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """[samples] each sample's estimate from the other samples of its nearest shared subtree."""
+    per_len = np.zeros(tree.num_requests)
+    per_cnt = np.zeros(tree.num_requests)
+    per_len[sampled] = lens
+    per_cnt[sampled] = 1.0
+    cnt = tree.leaf_prefix_sum(per_cnt)
+    tot = tree.leaf_prefix_sum(per_len)
+    node = tree.parent[tree.leaf_node[sampled]]
+    active = np.flatnonzero(cnt[node] < 2)
+    while len(active):
+        node[active] = np.maximum(tree.parent[node[active]], 0)
+        active = active[(node[active] > 0) & (cnt[node[active]] < 2)]
+    return (tot[node] - lens) / np.maximum(cnt[node] - 1.0, 1.0)
+
+
+def overrun_factor(
+    tree: PrefixTree, sampled: np.ndarray, sampled_lens: np.ndarray, *, cap: float = 4.0
+) -> float:
+    """How far a request may run past its subtree's sampled mean: the largest true length /
+    leave-one-out estimate among the samples, in [1, cap]. The planner multiplies the longest
+    estimate by it to size the critical path, where guessing short costs more than long."""
+    sampled = np.asarray(sampled, dtype=np.int64)
+    lens = np.asarray(sampled_lens, dtype=np.float64)
+    if len(sampled) < 2:
+        return 1.0
+    ratio = lens / np.maximum(_leave_one_out(tree, sampled, lens), 1.0)
+    return float(min(cap, max(1.0, ratio.max())))
+
+
+def length_dispersion(
+    tree: PrefixTree, sampled: np.ndarray, sampled_lens: np.ndarray, *, cap: float = 4.0
+) -> float:
+    """φ = E[d²] / d̂²: Mem grows with d², so a mean length under-counts memory work by this
+    factor (exp(σ²) for lognormal lengths). Pooled over samples against their leave-one-out
+    estimates, bias-corrected, in [1, cap]."""
+    sampled = np.asarray(sampled, dtype=np.int64)
+    lens = np.asarray(sampled_lens, dtype=np.float64)
+    if len(sampled) < 2:
+        return 1.0
+    loo = np.maximum(_leave_one_out(tree, sampled, lens), 1.0)
+    scale = lens.sum() / loo.sum()
+    phi = float((lens**2).sum() / ((loo * scale) ** 2).sum())
+    return min(cap, max(1.0, phi))

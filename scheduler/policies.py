@@ -1,0 +1,141 @@
+"""Admission policies by name: the `fcfs`, `dfs` and `balance` baselines and the `blend` planner.
+
+The baselines share one admission rule (`OrderedPolicy`): take requests in a fixed order while the
+policy's own KV estimate fits, with no prefill pacing. Only the order differs, so a comparison
+between them measures ordering. `blend` lives in `dual_scan.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from scheduler.cost_model import CostModel
+from scheduler.errors import UnknownNameError
+from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
+
+POLICY_NAMES = ("fcfs", "dfs", "balance", "blend")
+DEFAULT_PRIOR_OUTPUT_LEN = 256  # output-length guess before any request has finished
+
+
+class OutputLenGuess:
+    """An online output-length guess for policies that do not sample: the mean of finished lengths."""
+
+    def __init__(self, prior: int = DEFAULT_PRIOR_OUTPUT_LEN) -> None:
+        self._total = 0
+        self._count = 0
+        self._prior = prior
+
+    def observe(self, output_len: int) -> None:
+        self._total += output_len
+        self._count += 1
+
+    def guess(self, request: PlanRequest) -> int:
+        if request.known_output_len is not None:
+            return request.known_output_len
+        mean = self._total / self._count if self._count else self._prior
+        return max(1, min(request.max_tokens, round(mean)))
+
+
+def kv_need_tokens(prompt_len: int, output_len: float) -> float:
+    """Average KV a request holds over its life: its prompt plus half its output (DESIGN.md)."""
+    return prompt_len + output_len / 2.0
+
+
+class OrderedPolicy:
+    """Admits requests in the given order while their estimated KV fits; never paces prefill.
+
+    The estimate is its own bookkeeping (Σ (p + d̂/2) over running requests ≤ capacity), checked
+    against the executor's free KV for the prompt itself. When nothing runs it admits one request
+    anyway, so a request larger than the estimate can never deadlock the batch.
+    """
+
+    def __init__(self, ordered: Iterable[PlanRequest], *, name: str) -> None:
+        self.name = name
+        self._it: Iterator[PlanRequest] = iter(ordered)
+        self._next: PlanRequest | None = None
+        self._exhausted = False
+        self._reserved: dict[str, float] = {}
+        self._reserved_total = 0.0
+        self._guess = OutputLenGuess()
+        self._advance()
+
+    def _advance(self) -> None:
+        try:
+            self._next = next(self._it)
+        except StopIteration:
+            self._next = None
+            self._exhausted = True
+
+    def admit(self, budget: StepBudget) -> list[PlanRequest]:
+        out: list[PlanRequest] = []
+        free_now = budget.free_kv_tokens - budget.waiting_prefill_tokens
+        while self._next is not None:
+            req = self._next
+            need = kv_need_tokens(req.prompt_len, self._guess.guess(req))
+            idle = budget.running == 0 and not out and not self._reserved
+            fits = (
+                self._reserved_total + need <= budget.kv_capacity_tokens
+                and req.prompt_len <= free_now
+            )
+            if not (fits or idle):
+                break
+            out.append(req)
+            free_now -= req.prompt_len
+            self._reserved[req.id] = need
+            self._reserved_total += need
+            self._advance()
+        return out
+
+    def prefill_budget(self, budget: StepBudget) -> int | None:
+        return None
+
+    def on_finish(self, request_id: str, output_len: int) -> None:
+        self._guess.observe(output_len)
+        need = self._reserved.pop(request_id, None)
+        if need is not None:
+            self._reserved_total -= need
+        if not self._reserved:
+            self._reserved_total = 0.0  # drop float drift
+
+    def on_progress(self, request_id: str, generated: int) -> None:
+        return None
+
+    def has_pending(self) -> bool:
+        return self._next is not None
+
+
+def make_policy(
+    name: str,
+    requests: Iterable[PlanRequest],
+    *,
+    kv_capacity_tokens: int,
+    cost_model: CostModel | None = None,
+    sample_rate: float = 0.01,
+    seed: int = 0,
+) -> AdmissionPolicy:
+    """Build a policy; `fcfs` streams `requests`, the others read them all to plan."""
+    if name == "fcfs":
+        return OrderedPolicy(requests, name="fcfs")
+    if name not in POLICY_NAMES:
+        raise UnknownNameError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    reqs = list(requests)
+    if name == "balance":
+        order = np.random.default_rng(seed).permutation(len(reqs))
+        return OrderedPolicy((reqs[i] for i in order), name="balance")
+    from scheduler.prefix_tree import PrefixTree
+
+    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
+    if name == "dfs":
+        return OrderedPolicy((reqs[i] for i in tree.dfs_order()), name="dfs")
+    from scheduler.dual_scan import BlendPolicy
+
+    return BlendPolicy(
+        reqs,
+        tree=tree,
+        cost_model=cost_model or CostModel.default(),
+        kv_capacity_tokens=kv_capacity_tokens,
+        sample_rate=sample_rate,
+        seed=seed,
+    )

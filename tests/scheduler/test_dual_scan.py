@@ -1,0 +1,172 @@
+import numpy as np
+import pytest
+
+from scheduler.dual_scan import BlendPolicy, split_memory, steady_prefill
+from scheduler.prefix_tree import PrefixTree
+from scheduler.types import PlanRequest
+from tests.scheduler.factories import h200_8b, make_budget, make_request
+
+
+def _policy(reqs, capacity=200_000, sample_rate=0.0, cost=None):
+    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
+    return BlendPolicy(
+        reqs,
+        tree=tree,
+        cost_model=cost or h200_8b(),
+        kv_capacity_tokens=capacity,
+        sample_rate=sample_rate,
+    )
+
+
+def _mix(n_compute=30, n_memory=10):
+    compute = [make_request(2000, 8, prefix=[7] * 1500) for _ in range(n_compute)]
+    memory = [make_request(100, 3000 + 100 * i) for i in range(n_memory)]
+    return compute + memory
+
+
+def _drive(policy, reqs, capacity=200_000, true_len=None, max_steps=100_000):
+    """A toy executor: admitted requests decode one token per step; returns the admission order."""
+    lens = true_len or {r.id: r.known_output_len or 1 for r in reqs}
+    running: dict[str, int] = {}
+    order: list[str] = []
+    for _ in range(max_steps):
+        if not policy.has_pending() and not running:
+            return order
+        used = sum(
+            len(next(r for r in reqs if r.id == i).prompt_token_ids) + g for i, g in running.items()
+        )
+        for r in policy.admit(make_budget(capacity, capacity - used, len(running), 0)):
+            order.append(r.id)
+            running[r.id] = 0
+        policy.prefill_budget(make_budget(capacity, capacity - used, len(running), 0))
+        for rid in list(running):
+            running[rid] += 1
+            policy.on_progress(rid, running[rid])
+            if running[rid] >= lens[rid]:
+                del running[rid]
+                policy.on_finish(rid, lens[rid])
+    raise AssertionError("toy executor did not finish")
+
+
+def test_memory_split_follows_the_density_formula():
+    m_left, m_right = split_memory(rho_left=10.0, rho_right=0.5, rho_target=2.4, capacity=1000)
+    assert m_left == pytest.approx(1000 * (2.4 - 0.5) / (10.0 - 0.5))
+    assert m_left + m_right == 1000
+
+
+def test_memory_split_is_clamped_to_the_capacity():
+    assert split_memory(10.0, 0.5, 20.0, 1000) == (1000.0, 0.0)
+    assert split_memory(10.0, 0.5, 0.1, 1000) == (0.0, 1000.0)
+
+
+def test_equal_densities_give_all_memory_to_one_cursor():
+    assert split_memory(1.0, 1.0, 1.0, 500) == (500.0, 0.0)
+
+
+def test_steady_state_prefill_replaces_finishers():
+    # M = 10_000 tokens of requests needing 100 + 50 → N = 66.7; C = N·p̄/d̄ = 66.7
+    assert steady_prefill(10_000, 100, 100) == pytest.approx(10_000 / 150)
+
+
+def test_warm_up_samples_run_first_and_the_plan_waits_for_them():
+    reqs = [make_request(50, prefix=[1] * 40) for _ in range(300)]
+    pol = _policy(reqs, sample_rate=0.02)
+    warm = pol.admit(make_budget())
+    assert {r.id for r in warm} == set(pol.warmup_request_ids) and len(warm) == 6
+    assert pol.plan is None and pol.admit(make_budget(running=6)) == []
+    for r in warm:
+        pol.on_finish(r.id, 42)
+    assert pol.plan is not None and (pol.plan.output == 42).all()
+
+
+def test_every_request_is_admitted_exactly_once_and_the_cursors_meet():
+    reqs = _mix()
+    pol = _policy(reqs)
+    order = _drive(pol, reqs)
+    assert sorted(order) == sorted(r.id for r in reqs) and not pol.has_pending()
+
+
+def test_the_longest_decodes_start_first():
+    reqs = _mix()
+    order = _drive(_policy(reqs), reqs)
+    longest = max(reqs, key=lambda r: r.known_output_len or 0)
+    assert order[0] == longest.id
+
+
+def test_compute_heavy_requests_are_admitted_while_long_decodes_run():
+    reqs = _mix()
+    order = _drive(_policy(reqs), reqs)
+    memory_ids = {r.id for r in reqs[30:]}
+    last_memory = max(i for i, rid in enumerate(order) if rid in memory_ids)
+    first_compute = min(i for i, rid in enumerate(order) if rid not in memory_ids)
+    assert first_compute < last_memory  # blended, not one family after the other
+
+
+def test_admission_never_deadlocks_when_a_request_exceeds_the_memory_share():
+    reqs = [make_request(5000, 20_000) for _ in range(3)]
+    pol = _policy(reqs, capacity=6000)
+    assert len(pol.admit(make_budget(6000))) == 1
+
+
+def test_early_finishers_free_memory_for_more_admissions():
+    reqs = [make_request(100, 4000) for _ in range(40)]
+    pol = _policy(reqs, capacity=10_000)
+    first: list[PlanRequest] = []
+    for _ in range(10):  # until the memory is full, whatever the prefill pacing
+        first += pol.admit(make_budget(10_000, running=len(first)))
+    assert 0 < len(first) < 10 and pol.admit(make_budget(10_000, running=len(first))) == []
+    for r in first:
+        pol.on_finish(r.id, 10)
+    assert len(pol.admit(make_budget(10_000))) > 0
+
+
+def test_an_overrunning_request_is_charged_to_the_memory_side():
+    reqs = [make_request(2000, None, max_tokens=5000) for _ in range(30)] + [
+        make_request(100, 3000)
+    ]
+    pol = _policy(reqs, sample_rate=0.04)
+    for r in pol.admit(make_budget()):
+        pol.on_finish(r.id, 4)  # the sample says: short outputs
+    admitted: list[PlanRequest] = []
+    while not any(r.known_output_len is None for r in admitted):
+        admitted += pol.admit(make_budget())
+    short = next(r for r in admitted if r.known_output_len is None)
+    assert pol.side_of(short.id) == 0  # admitted from the compute-heavy side
+    right_before = pol.reserved_kv[1]
+    pol.on_progress(short.id, 64)
+    assert pol.side_of(short.id) == 1 and pol.reserved_kv[1] > right_before
+
+
+def test_prefill_budget_fills_compute_up_to_the_steps_memory_time():
+    reqs = [make_request(100, 8000) for _ in range(5)] + [
+        make_request(3000, 2, prefix=[3] * 10) for _ in range(50)
+    ]
+    cost = h200_8b()
+    pol = _policy(reqs, capacity=800_000, cost=cost)
+    admitted = pol.admit(make_budget(800_000))
+    for i in range(5):
+        pol.on_progress(reqs[i].id, 4000)
+    running = len(admitted)
+    budget = pol.prefill_budget(make_budget(800_000, running=running, waiting=100_000))
+    read = pol.kv_read_tokens * cost.seconds_per_kv_token
+    expected = read / cost.seconds_per_token - running
+    assert budget is not None and abs(budget - expected) <= 128
+
+
+def test_a_plan_with_known_lengths_needs_no_warm_up():
+    reqs = [make_request(10, 5) for _ in range(50)]
+    pol = _policy(reqs, sample_rate=0.5)
+    assert pol.planned and pol.warmup_request_ids == []
+
+
+def test_duplicate_ids_are_rejected():
+    reqs = [PlanRequest("a", [1], 5), PlanRequest("a", [2], 5)]
+    with pytest.raises(ValueError):
+        _policy(reqs)
+
+
+def test_sharing_is_kept_by_dfs_within_each_side():
+    reqs = _mix()
+    pol = _policy(reqs)
+    assert pol.plan is not None and pol.plan.sharing_kept >= 0.99
+    assert np.isclose(pol.plan.sharing_ratio, 1 - pol.plan.computed.sum() / pol.plan.prompt.sum())

@@ -1,0 +1,102 @@
+import numpy as np
+import pytest
+
+from scheduler.estimate import (
+    corrected_estimate,
+    estimate_output_lengths,
+    length_dispersion,
+    overrun_factor,
+    select_warmup_samples,
+)
+from scheduler.prefix_tree import PrefixTree
+
+# Three families: A (100 requests under prefix [1,1,1]), B (100 under [2,2]), C (20 singletons).
+PROMPTS = (
+    [[1, 1, 1, i] for i in range(100)]
+    + [[2, 2, i] for i in range(100)]
+    + [[3 + i] for i in range(20)]
+)
+N = len(PROMPTS)
+TREE = PrefixTree.build(PROMPTS)
+UNKNOWN = np.full(N, -1)
+CAPS = np.full(N, 10_000)
+
+
+def test_about_one_percent_is_sampled_by_default():
+    picked = select_warmup_samples(
+        PrefixTree.build([[i, 0] for i in range(1000)]), np.zeros(1000, bool)
+    )
+    assert len(picked) == 10
+
+
+def test_every_large_subtree_gets_a_sample():
+    picked = set(select_warmup_samples(TREE, np.zeros(N, bool), rate=0.01, min_large=50).tolist())
+    assert picked & set(range(100)) and picked & set(range(100, 200))
+
+
+def test_samples_are_capped():
+    assert len(select_warmup_samples(TREE, np.zeros(N, bool), rate=0.5, cap=7, min_large=10)) <= 7
+
+
+def test_requests_with_known_lengths_are_never_sampled():
+    known = np.zeros(N, bool)
+    known[:150] = True
+    picked = select_warmup_samples(TREE, known, rate=0.05)
+    assert len(picked) and (picked >= 150).all()
+
+
+def test_unsampled_requests_get_their_subtree_mean():
+    est = estimate_output_lengths(
+        TREE, CAPS, UNKNOWN, np.array([0, 1, 100]), np.array([10.0, 30.0, 500.0])
+    )
+    assert est[50] == 20.0 and est[150] == 500.0
+
+
+def test_a_subtree_without_samples_falls_back_to_samples_of_similar_prompt_length():
+    est = estimate_output_lengths(
+        TREE, CAPS, UNKNOWN, np.array([0, 100, 205]), np.array([10.0, 500.0, 7.0])
+    )
+    # request 210 ([13]) has no sampled ancestor below the root; the nearest-length samples win
+    assert est[210] == 7.0
+    short = estimate_output_lengths(
+        PrefixTree.build([[9] * 50, [8] * 50, [7], [6]]),
+        np.full(4, 999),
+        np.full(4, -1),
+        np.array([0, 2]),
+        np.array([100.0, 5.0]),
+    )
+    assert short[3] < short[1]
+
+
+def test_without_any_sample_the_prior_is_used():
+    est = estimate_output_lengths(TREE, CAPS, UNKNOWN, np.array([], int), np.array([]), prior=77)
+    assert (est == 77).all()
+
+
+def test_estimates_are_capped_by_max_tokens_and_known_lengths_win():
+    caps = CAPS.copy()
+    caps[5] = 12
+    known = UNKNOWN.copy()
+    known[6] = 3
+    est = estimate_output_lengths(TREE, caps, known, np.array([0]), np.array([400.0]))
+    assert est[5] == 12 and est[6] == 3 and est[7] == 400
+
+
+def test_an_overrunning_request_is_re_estimated_within_its_cap():
+    assert corrected_estimate(100, 50, 1000) == 100
+    assert corrected_estimate(100, 100, 1000) == 200
+    assert corrected_estimate(100, 900, 1000) == 1000
+
+
+def test_dispersion_and_overrun_factor_are_one_when_lengths_match_their_subtree():
+    sampled = np.array([0, 1, 2, 100, 101])
+    lens = np.array([10.0, 10.0, 10.0, 50.0, 50.0])
+    assert length_dispersion(TREE, sampled, lens) == pytest.approx(1.0)
+    assert overrun_factor(TREE, sampled, lens) == pytest.approx(1.0)
+
+
+def test_spread_lengths_raise_dispersion_and_overrun_factor():
+    sampled = np.array([0, 1, 2, 3])
+    lens = np.array([10.0, 10.0, 10.0, 100.0])
+    assert length_dispersion(TREE, sampled, lens) > 1.5
+    assert overrun_factor(TREE, sampled, lens) == 4.0  # 100 / 10, capped at 4
