@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Self
 from sqlalchemy.orm import sessionmaker
 
 from server.config import Settings
+from server.db import upgrade
 from server.jobs import JobContext, fail_batch, run_batch
 from server.queue import BatchQueue, make_queue
 from server.storage import FileStorage
@@ -219,7 +220,9 @@ def choose_policy(name: str, engine: Engine) -> str:
 def worker_main(args: argparse.Namespace) -> int:
     """`blendserve worker`: run one worker until SIGTERM/SIGINT (a second signal exits at once)."""
     _configure_logging()
-    return _serve_forever(Worker(Settings()))
+    settings = Settings()
+    upgrade(settings)  # idempotent; a standalone worker may start before any API has migrated
+    return _serve_forever(Worker(settings))
 
 
 def spawn_embedded_worker(settings: Settings) -> BaseProcess:

@@ -23,10 +23,20 @@ CHAT = "/v1/chat/completions"
 MODEL = "smollm2-135m-instruct"
 
 
-def line(custom_id: Any = "r1", *, url: Any = CHAT, method: Any = "POST",
-         body: Any = None, drop: str | None = None) -> str:
-    obj = {"custom_id": custom_id, "method": method, "url": url,
-           "body": body if body is not None else {"messages": [{"role": "user", "content": "hi"}]}}
+def line(
+    custom_id: Any = "r1",
+    *,
+    url: Any = CHAT,
+    method: Any = "POST",
+    body: Any = None,
+    drop: str | None = None,
+) -> str:
+    obj = {
+        "custom_id": custom_id,
+        "method": method,
+        "url": url,
+        "body": body if body is not None else {"messages": [{"role": "user", "content": "hi"}]},
+    }
     if drop:
         del obj[drop]
     return json.dumps(obj)
@@ -105,15 +115,23 @@ def test_duplicate_custom_id_is_reported_on_the_later_line(tmp_path: Path) -> No
 
 def test_reusing_the_id_of_a_bad_line_is_still_a_duplicate(tmp_path: Path) -> None:
     v = validate(write(tmp_path, line("a", method="GET"), line("a")))
-    assert [(e.code, e.line) for e in v.errors] == [("invalid_request", 1),
-                                                   ("duplicate_custom_id", 2)]
+    assert [(e.code, e.line) for e in v.errors] == [
+        ("invalid_request", 1),
+        ("duplicate_custom_id", 2),
+    ]
 
 
 def test_mixed_models(tmp_path: Path) -> None:
     v = validate_batch_file(
-        write(tmp_path, line("a", body={"model": MODEL, "messages": []}),
-              line("b"), line("c", body={"model": "alias", "messages": []})),
-        endpoint=CHAT, served_models={MODEL, "alias"}, max_lines=10,
+        write(
+            tmp_path,
+            line("a", body={"model": MODEL, "messages": []}),
+            line("b"),
+            line("c", body={"model": "alias", "messages": []}),
+        ),
+        endpoint=CHAT,
+        served_models={MODEL, "alias"},
+        max_lines=10,
     )
     err = only_error(v)
     assert (err.code, err.param, err.line) == ("mixed_models", "body.model", 3)
@@ -151,8 +169,9 @@ def test_utf8_bom_and_unicode_ids_are_fine(tmp_path: Path) -> None:
 
 
 def test_first_endpoint_is_the_first_supported_url(tmp_path: Path) -> None:
-    path = write(tmp_path, "junk", line(url="/v1/embeddings"), line(url="/v1/completions"),
-                 line(url=CHAT))
+    path = write(
+        tmp_path, "junk", line(url="/v1/embeddings"), line(url="/v1/completions"), line(url=CHAT)
+    )
     assert first_endpoint(path, (CHAT, "/v1/completions")) == "/v1/completions"
     assert first_endpoint(write(tmp_path, "junk"), (CHAT,)) is None
 

@@ -17,23 +17,29 @@ def test_success_line_shape() -> None:
     body = {"object": "chat.completion", "choices": []}
     rec = success_line("task-1", body)
     assert set(rec) == {"id", "custom_id", "response", "error"}
-    assert rec["id"].startswith("batch_req_") and HEX.match(rec["id"][len("batch_req_"):])
+    assert rec["id"].startswith("batch_req_") and HEX.match(rec["id"][len("batch_req_") :])
     assert rec["custom_id"] == "task-1"
     assert rec["error"] is None
     assert rec["response"]["status_code"] == 200
     assert rec["response"]["request_id"].startswith("req_")
-    assert HEX.match(rec["response"]["request_id"][len("req_"):])
+    assert HEX.match(rec["response"]["request_id"][len("req_") :])
     assert rec["response"]["body"] == body
 
 
 def test_request_error_line_has_the_error_envelope() -> None:
-    rec = request_error_line("t", RequestError("max_tokens must be at least 1", "max_tokens",
-                                               "invalid_value"))
+    rec = request_error_line(
+        "t", RequestError("max_tokens must be at least 1", "max_tokens", "invalid_value")
+    )
     assert rec["error"] is None
     assert rec["response"]["status_code"] == 400
-    assert rec["response"]["body"] == {"error": {
-        "message": "max_tokens must be at least 1", "type": "invalid_request_error",
-        "param": "max_tokens", "code": "invalid_value"}}
+    assert rec["response"]["body"] == {
+        "error": {
+            "message": "max_tokens must be at least 1",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": "invalid_value",
+        }
+    }
 
 
 def test_server_errors_are_typed_server_error() -> None:
@@ -46,8 +52,10 @@ def test_server_errors_are_typed_server_error() -> None:
 def test_never_ran_line(code: str) -> None:
     rec = never_ran_line("t", code, "This request could not be executed before the batch ended.")
     assert rec["response"] is None
-    assert rec["error"] == {"code": code,
-                            "message": "This request could not be executed before the batch ended."}
+    assert rec["error"] == {
+        "code": code,
+        "message": "This request could not be executed before the batch ended.",
+    }
     assert rec["id"].startswith("batch_req_")
 
 

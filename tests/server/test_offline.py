@@ -66,20 +66,27 @@ def test_run_writes_outputs_and_error_lines(tmp_path: Path, capsys: pytest.Captu
         body = r["response"]["body"]
         assert body["object"] == "chat.completion" and body["model"] == MODEL
         assert 1 <= body["usage"]["completion_tokens"] <= 3 * len(body["choices"])
-    assert len(next(r for r in outputs if r["custom_id"] == "g")["response"]["body"]["choices"]) == 2
+    assert (
+        len(next(r for r in outputs if r["custom_id"] == "g")["response"]["body"]["choices"]) == 2
+    )
 
     codes = {(r["custom_id"], r["response"]["body"]["error"]["code"]) for r in errors}
     assert codes == {
-        (None, "invalid_json_line"), ("c", "invalid_value"), ("d", "model_not_found"),
-        ("a", "duplicate_custom_id"), ("e", "invalid_url"),
-        (None, "missing_required_parameter"), ("f", "streaming_unsupported"),
+        (None, "invalid_json_line"),
+        ("c", "invalid_value"),
+        ("d", "model_not_found"),
+        ("a", "duplicate_custom_id"),
+        ("e", "invalid_url"),
+        (None, "missing_required_parameter"),
+        ("f", "streaming_unsupported"),
     }
     assert len(errors) == 7
     for r in errors:
         assert r["response"]["status_code"] == 400 and r["error"] is None
         assert set(r["response"]["body"]["error"]) == {"message", "type", "param", "code"}
-    bad_json = next(r for r in errors if r["response"]["body"]["error"]["code"] ==
-                    "invalid_json_line")
+    bad_json = next(
+        r for r in errors if r["response"]["body"]["error"]["code"] == "invalid_json_line"
+    )
     assert bad_json["response"]["body"]["error"]["message"].startswith("Line 4:")
     summary = capsys.readouterr().err.strip().splitlines()[-1]
     assert "3 succeeded, 7 failed of 10 requests" in summary
@@ -88,14 +95,30 @@ def test_run_writes_outputs_and_error_lines(tmp_path: Path, capsys: pytest.Captu
 @pytest.mark.slow
 def test_completions_file_with_no_errors_leaves_no_error_file(tmp_path: Path) -> None:
     source = tmp_path / "in.jsonl"
-    source.write_text(request("p1", url="/v1/completions", prompt="The sky is") + "\n"
-                      + request("p2", url="/v1/completions", prompt=[504, 3136]) + "\n")
+    source.write_text(
+        request("p1", url="/v1/completions", prompt="The sky is")
+        + "\n"
+        + request("p2", url="/v1/completions", prompt=[504, 3136])
+        + "\n"
+    )
     output = tmp_path / "res.jsonl"
     errors = tmp_path / "errs.jsonl"
     errors.write_text("stale\n")
 
-    rc = main(["run", str(source), "-o", str(output), "--errors", str(errors), "--policy", "dfs",
-               "--max-batch-tokens", "64"])
+    rc = main(
+        [
+            "run",
+            str(source),
+            "-o",
+            str(output),
+            "--errors",
+            str(errors),
+            "--policy",
+            "dfs",
+            "--max-batch-tokens",
+            "64",
+        ]
+    )
 
     assert rc == 0
     outputs = read_jsonl(output)

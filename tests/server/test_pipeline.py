@@ -81,8 +81,11 @@ def test_every_line_gets_exactly_one_result(engine: Engine) -> None:
     assert [c["index"] for c in two] == [0, 1]
     assert two[0]["message"]["content"] == two[1]["message"]["content"]  # greedy: same choice
 
-    for cid, param in (("zero-tokens", "max_tokens"), ("tools", "tools"),
-                       ("too-long", "max_tokens")):
+    for cid, param in (
+        ("zero-tokens", "max_tokens"),
+        ("tools", "tools"),
+        ("too-long", "max_tokens"),
+    ):
         r = results[cid]
         assert not r.ok and r.output_tokens == 0
         assert r.record["response"]["status_code"] == 400
@@ -94,15 +97,19 @@ def test_greedy_text_matches_the_engine_alone(engine: Engine) -> None:
     line = chat_line(1, "x", max_tokens=2)
     [result] = run_lines([line], engine, endpoint=CHAT, policy="fcfs")
     ids = engine.tokenizer.apply_chat_template(line.body["messages"])
-    [direct] = engine.generate([EngineRequest("d", ids, SamplingParams(max_tokens=2,
-                                                                         temperature=0))])
+    [direct] = engine.generate(
+        [EngineRequest("d", ids, SamplingParams(max_tokens=2, temperature=0))]
+    )
     text = result.record["response"]["body"]["choices"][0]["message"]["content"]
     assert text == direct.choices[0].text
 
 
 def test_completions_endpoint_with_logprobs(engine: Engine) -> None:
-    line = BatchLine(1, "c", {"prompt": "The capital of France is", "max_tokens": 3,
-                              "temperature": 0, "logprobs": 2})
+    line = BatchLine(
+        1,
+        "c",
+        {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "logprobs": 2},
+    )
     [result] = run_lines([line], engine, endpoint=COMPLETIONS, policy="fcfs")
     body = result.record["response"]["body"]
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
