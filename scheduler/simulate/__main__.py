@@ -1,0 +1,107 @@
+"""`python -m scheduler.simulate TRACE.jsonl --policy blend --json`: plan, simulate, print one line.
+
+Fields: policy, requests, makespan_s, optimal_makespan_s, fraction_of_optimal,
+prefix_sharing_ratio, max_prefix_sharing_ratio, throughput_tokens_per_s (prompt + output tokens
+per second), plan_seconds, leaves_split, and run details (steps, preemptions, utilisation, …);
+with --dp K the batch figures plus one entry per shard under `shards`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scheduler.cost_model import CostModel, HardwareProfile, ModelShape
+from scheduler.errors import SchedulerError
+from scheduler.policies import POLICY_NAMES
+from scheduler.simulate.executor import DEFAULT_MAX_STEP_TOKENS, SimResult
+from scheduler.simulate.run import RunConfig, run_trace
+from scheduler.simulate.sharded import run_sharded
+from scheduler.simulate.trace import read_trace
+
+_PROFILES = ("h200", "h100", "a100")
+
+
+def cost_model(hardware: str, shape: str) -> CostModel:
+    """A named profile, or the path of a measured-profile JSON the runtime wrote."""
+    hw = HardwareProfile.named(hardware) if hardware in _PROFILES else HardwareProfile.from_json(hardware)
+    return CostModel(ModelShape.named(shape), hw)
+
+
+def write_steps_csv(result: SimResult, path: Path, overlap: bool) -> None:
+    """One row per step, for looking at what a policy did when (pacing, memory, queue)."""
+    c, m = result.step_compute_s, result.step_memory_s
+    dt = np.maximum(c, m) if overlap else c + m
+    start = np.concatenate(([0.0], np.cumsum(dt)[:-1]))
+    cols = (start, dt, c, m, result.step_prefill_tokens, result.step_decoding,
+            result.step_queued, result.step_kv_used)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        f.write("step,start_s,dt_s,compute_s,memory_s,prefill_tokens,decoding,queued,kv_used\n")
+        for i, row in enumerate(zip(*cols)):
+            f.write(f"{i},{row[0]:.6g},{row[1]:.6g},{row[2]:.6g},{row[3]:.6g},"
+                    f"{row[4]},{row[5]},{row[6]},{row[7]}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m scheduler.simulate", description=__doc__.split("\n")[0])
+    ap.add_argument("trace", type=Path, help="trace JSONL: id, prompt_token_ids, output_len")
+    ap.add_argument("--policy", choices=POLICY_NAMES, required=True)
+    ap.add_argument("--hardware", default="h200", help="h200 | h100 | a100 | measured-profile JSON")
+    ap.add_argument("--model-shape", default="llama-3-8b")
+    ap.add_argument("--kv-tokens", type=int, default=None, help="KV capacity (default: the device's)")
+    ap.add_argument("--sample-rate", type=float, default=0.01)
+    ap.add_argument("--no-overlap", action="store_true", help="step time = compute + memory")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel shards, one device each")
+    ap.add_argument("--dp-cut", choices=("stratified", "sampled"), default="stratified",
+                    help="shard by prefix-tree branches, or by a plan from a warm-up sample")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-step-tokens", type=int, default=DEFAULT_MAX_STEP_TOKENS,
+                    help="prefill tokens a step may carry at most")
+    ap.add_argument("--weight-reads", action="store_true",
+                    help="add the weights' read time (P·bytes / B) to every step's memory time")
+    ap.add_argument("--plan-only", action="store_true", help="plan and time it; no simulation")
+    ap.add_argument("--plot", type=Path, default=None, help="PNG of utilisation per step")
+    ap.add_argument("--steps-csv", type=Path, default=None,
+                    help="per-step CSV: time, compute/memory seconds, prefill, decoding, queue, KV")
+    ap.add_argument("--json", action="store_true", help="print one JSON line (the only format)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cost = cost_model(args.hardware, args.model_shape)
+        kv_tokens = args.kv_tokens or cost.kv_capacity_tokens
+        cfg = RunConfig(args.policy, kv_tokens, args.sample_rate, args.seed, not args.no_overlap,
+                        args.max_step_tokens, args.plan_only, args.weight_reads)
+        entries = read_trace(args.trace)
+        report: dict[str, Any] = {"policy": args.policy, "trace": str(args.trace),
+                                  "hardware": cost.hardware.name, "model_shape": cost.shape.name,
+                                  "kv_capacity_tokens": kv_tokens, "overlap": cfg.overlap}
+        if args.dp > 1:
+            report.update(run_sharded(entries, cost, cfg, args.dp, args.dp_cut == "sampled"))
+        else:
+            fields, result = run_trace(entries, cost, cfg)
+            report.update(fields)
+            if args.steps_csv and result is not None:
+                write_steps_csv(result, args.steps_csv, cfg.overlap)
+            if args.plot and result is not None:
+                from scheduler.simulate.plot import plot_utilisation
+
+                plot_utilisation(result, args.plot, overlap=cfg.overlap,
+                                 title=f"{args.policy} on {args.trace.name}")
+    except (SchedulerError, OSError) as exc:
+        print(json.dumps({"error": str(exc)}), file=sys.stderr)
+        return 2
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""The step loop: continuous batching of a trace on the cost model, driven by an admission policy.
+
+Accounting (exact against CostModel.comp / mem for a lone request): a request's prompt is
+prefilled in chunks (p tokens of compute, minus what the prefix cache serves), then it runs d
+decode steps of one token each. Decode step k (k = 1…d) reads p + k − ½ tokens of KV — the mean
+of the context before and after the step — so Σ over its steps is p·d + d²/2, DESIGN.md's Mem(r).
+A step costs max(T_comp, T_mem) (overlap) or their sum, from CostModel.step_time.
+
+KV memory holds the cached prompt segments (shared ones once, see PrefixCache), each running
+request's generated tokens, and the partial chunk of the request being prefilled. Decode growth
+is reserved first each step (evicting unpinned cache, then preempting the newest request, which
+is recomputed later); prefill then takes what is left. All per-request work happens at events
+(start, finish, progress report); a plain decode step is O(1), and once the policy has admitted
+everything, decode-only stretches are advanced to the next finish in one go.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.cost_model import CostModel
+from scheduler.errors import SchedulerError
+from scheduler.prefix_tree import PrefixTree
+from scheduler.simulate.prefix_cache import PrefixCache
+from scheduler.simulate.trace import TraceEntry
+from scheduler.types import AdmissionPolicy, StepBudget
+
+DEFAULT_MAX_STEP_TOKENS = 8192  # prefill tokens a step carries when the policy does not pace
+
+
+class SimulationError(SchedulerError, RuntimeError):
+    """The run cannot go on: a policy stalls or misbehaves, or a request exceeds the KV cache."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    kv_capacity_tokens: int  # KV slots of the simulated device
+    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS  # prefill tokens per step, at most
+    overlap: bool = True  # step time max(comp, mem) (NanoFlow) or comp + mem
+    # Seconds of weight reads added to every step's memory time. DESIGN's cost model has none
+    # (weights amortise over big steps); set it (P·bytes / B) to see what tiny steps would cost.
+    step_weight_read_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulated run measured (seconds, tokens)."""
+
+    makespan_s: float
+    steps: int
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    cached_prompt_tokens: int  # prompt tokens served from cache at each request's first prefill
+    prefill_tokens: int  # tokens prefilled, recomputation after preemption included
+    preemptions: int  # decoding requests preempted (they recompute later)
+    prefill_aborts: int  # partial prefills dropped to make room for decode tokens
+    peak_kv_tokens: int  # most KV slots in use at any step end (≤ kv capacity)
+    step_compute_s: np.ndarray  # [steps] compute time of each step
+    step_memory_s: np.ndarray  # [steps] memory time of each step
+    step_prefill_tokens: np.ndarray  # [steps] prompt (and recomputed) tokens prefilled
+    step_decoding: np.ndarray  # [steps] requests that decoded a token
+    step_queued: np.ndarray  # [steps] admitted requests waiting for or in prefill
+    step_kv_used: np.ndarray  # [steps] KV slots in use after the step's prefill (cache included)
+
+    @property
+    def prefix_sharing_ratio(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _next_report(g: int) -> int:
+    """Generated counts at which on_progress fires: 1, 2, 4, …, 256, then every 256 tokens."""
+    return 1 if g == 0 else 2 * g if g < 256 else (g // 256 + 1) * 256
+
+
+class _Run:
+    """One simulation's mutable state; `simulate` is its only user."""
+
+    def __init__(self, entries: Sequence[TraceEntry], policy: AdmissionPolicy,
+                 cost: CostModel, config: SimConfig, tree: PrefixTree | None) -> None:
+        self.policy, self.cost, self.cfg = policy, cost, config
+        self.cap = config.kv_capacity_tokens
+        self.ids = [e.request.id for e in entries]
+        self.index = {rid: i for i, rid in enumerate(self.ids)}
+        self.p = [e.request.prompt_len for e in entries]
+        self.d = [e.output_len for e in entries]
+        self.n = len(entries)
+        tree = tree or PrefixTree.build([e.request.prompt_token_ids for e in entries])
+        self.cache = PrefixCache(tree)
+        self.g_prev = [0] * self.n  # tokens generated before the current decode stint
+        self.base = [0] * self.n  # step of the current stint's first decode
+        self.epoch = [0] * self.n  # bumps on preemption: stale heap entries are skipped
+        self.path: list[list[int] | None] = [None] * self.n
+        self.admitted = [False] * self.n
+        self.started = [False] * self.n  # first prefill begun (hits are counted once)
+        self.queue: deque[int] = deque()  # admitted, waiting for / in prefill, in order
+        self.running: dict[int, None] = {}  # holds KV; insertion order = start order
+        self.head_active = False  # queue[0] has acquired its path and is prefilling
+        self.head_pos = 0  # tokens of queue[0] covered (hit + prefilled)
+        self.head_fill = 0  # index into its path of the next node to fill
+        self.partial = 0  # KV of queue[0]'s prefill not yet in cached nodes
+        self.waiting = 0  # admitted tokens still to prefill (StepBudget.waiting_prefill_tokens)
+        self.n_dec = 0  # decoding requests
+        self.ctx = 0  # Σ (p + generated) over decoding requests
+        self.gen = 0  # Σ generated tokens over running requests (private KV)
+        self.finish_heap: list[tuple[int, int, int]] = []  # (last step, request, epoch)
+        self.report_heap: list[tuple[int, int, int]] = []
+        self.t = 0
+        self.finished = 0
+        self.cached_prompt = 0
+        self.prefilled = 0
+        self.preemptions = 0  # decoding requests evicted (recomputed later)
+        self.prefill_aborts = 0  # partial prefills torn down to make room for decode
+        self.peak = 0
+        self.comp: list[float] = []
+        self.mem: list[float] = []
+        self.trace_rows: list[tuple[int, int, int, int]] = []  # prefill, decoding, queued, used
+
+    # ------------------------------------------------------------------ memory
+    def used(self) -> int:
+        return self.cache.cached_tokens + self.gen + self.partial
+
+    def pinned(self) -> int:
+        return self.cache.pinned_tokens + self.gen + self.partial
+
+    def budget(self) -> StepBudget:
+        return StepBudget(self.cap, self.cap - self.pinned(), len(self.queue) + self.n_dec,
+                          self.waiting)
+
+    def reserve_decode(self) -> None:
+        """Make room for this step's decode tokens: evict, then preempt the newest request."""
+        while True:
+            over = self.used() + self.n_dec - self.cap
+            if over > 0:
+                self.cache.evict(over)
+            if self.pinned() + self.n_dec <= self.cap:
+                return
+            victim = next(reversed(self.running))
+            if len(self.running) == 1:  # alone and still too big: it would restart forever
+                raise SimulationError(f"request {self.ids[victim]!r} outgrows {self.cap} KV tokens")
+            self.preempt(victim)
+
+    def preempt(self, i: int) -> None:
+        del self.running[i]
+        self.preemptions += 1
+        path = self.path[i]
+        assert path is not None
+        self.cache.release(path, self.t)
+        if self.queue and self.queue[0] == i and self.head_active:
+            self.prefill_aborts += 1
+            self.preemptions -= 1
+            self.waiting += self.head_pos
+            self.head_active = False
+            self.partial = 0
+            return
+        g = self.g_prev[i] + self.t - self.base[i]
+        self.n_dec -= 1
+        self.ctx -= self.p[i] + g
+        self.gen -= g
+        self.g_prev[i] = g
+        self.epoch[i] += 1
+        self.waiting += self.p[i] + g
+        self.queue.appendleft(i)
+
+    # ------------------------------------------------------------------ policy
+    def admit(self) -> int:
+        if not self.policy.has_pending():
+            return 0
+        got = self.policy.admit(self.budget())
+        for req in got:
+            i = self.index.get(req.id)
+            if i is None or self.admitted[i]:
+                raise SimulationError(f"policy admitted {req.id!r} twice or from outside the trace")
+            self.admitted[i] = True
+            self.queue.append(i)
+            self.waiting += self.p[i]
+        return len(got)
+
+    # ------------------------------------------------------------------ prefill
+    def activate_head(self) -> None:
+        i = self.queue[0]
+        path = self.path[i] = self.cache.path(i)
+        hit = self.cache.acquire(path, self.t)
+        if not self.started[i]:
+            self.started[i] = True
+            self.cached_prompt += hit
+        self.head_active = True
+        self.head_pos = hit
+        self.head_fill = 0
+        while self.head_fill < len(path) and self.cache.is_cached(path[self.head_fill]):
+            self.head_fill += 1
+        self.partial = 0
+        self.waiting -= hit
+        self.running[i] = None
+
+    def prefill(self, tokens: int, starting: list[int]) -> int:
+        """Prefill up to `tokens` from the queue head(s); returns the tokens computed."""
+        left, done = tokens, 0
+        while left > 0 and self.queue:
+            if not self.head_active:
+                self.activate_head()
+            i = self.queue[0]
+            target = self.p[i] + self.g_prev[i]
+            want = min(left, target - self.head_pos)
+            free = self.cap - self.used() - self.headroom()
+            if want > free:
+                self.cache.evict(want - free)
+                free = self.cap - self.used() - self.headroom()
+            take = min(want, free)
+            if take > 0:
+                self.head_pos += take
+                self.partial += take
+                left -= take
+                done += take
+                self.waiting -= take
+                self.fill_nodes(i)
+            if self.head_pos == target:
+                self.gen += self.g_prev[i]  # recomputed output tokens stay private
+                self.partial = 0
+                self.queue.popleft()
+                self.head_active = False
+                starting.append(i)
+            elif take <= 0:
+                break  # out of memory this step
+        return done
+
+    def headroom(self) -> int:
+        """KV prefill must leave free: this step's decode tokens and the next step's.
+
+        Without the second step's share a chunk that fills memory is torn down by the very next
+        decode step (its request is the newest), over and over.
+        """
+        return 2 * self.n_dec
+
+    def fill_nodes(self, i: int) -> None:
+        path = self.path[i]
+        assert path is not None
+        depth = self.cache.depth
+        filled = depth[path[self.head_fill - 1]] if self.head_fill else 0
+        while self.head_fill < len(path) and depth[path[self.head_fill]] <= self.head_pos:
+            node = path[self.head_fill]
+            self.cache.fill(node)
+            self.partial -= depth[node] - filled
+            filled = depth[node]
+            self.head_fill += 1
+
+    # ------------------------------------------------------------------ steps
+    def record(self, prefill: int, kv_read: float, used: int) -> None:
+        tokens = prefill + self.n_dec
+        self.comp.append(self.cost.step_compute_time(tokens))
+        self.mem.append(self.cost.step_memory_time(kv_read) + self.cfg.step_weight_read_s)
+        self.trace_rows.append((prefill, self.n_dec, len(self.queue), used))
+
+    def start_decoding(self, starting: list[int]) -> None:
+        for i in starting:
+            self.n_dec += 1
+            self.ctx += self.p[i] + self.g_prev[i]
+            self.base[i] = self.t
+            heapq.heappush(self.finish_heap, (self.t + self.d[i] - self.g_prev[i] - 1, i,
+                                              self.epoch[i]))
+            self.push_report(i, _next_report(self.g_prev[i]))
+
+    def push_report(self, i: int, at: int) -> None:
+        if at < self.d[i]:
+            step = self.base[i] + at - self.g_prev[i] - 1
+            heapq.heappush(self.report_heap, (step, i, self.epoch[i]))
+
+    def retire(self) -> None:
+        """Deliver progress and finishes of every step before self.t."""
+        last = self.t - 1
+        while self.report_heap and self.report_heap[0][0] <= last:
+            step, i, ep = heapq.heappop(self.report_heap)
+            if ep == self.epoch[i] and i in self.running:
+                g = self.g_prev[i] + step + 1 - self.base[i]  # generated when that step ended
+                self.policy.on_progress(self.ids[i], g)
+                self.push_report(i, _next_report(g))
+        while self.finish_heap and self.finish_heap[0][0] <= last:
+            _, i, ep = heapq.heappop(self.finish_heap)
+            if ep != self.epoch[i]:
+                continue
+            assert i in self.running
+            d = self.d[i]
+            self.n_dec -= 1
+            self.ctx -= self.p[i] + d
+            self.gen -= d
+            del self.running[i]
+            path = self.path[i]
+            assert path is not None
+            self.cache.release(path, self.t)
+            self.finished += 1
+            self.policy.on_finish(self.ids[i], d)
+
+    def next_finish(self) -> int:
+        heap = self.finish_heap
+        while heap and heap[0][2] != self.epoch[heap[0][1]]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else self.t
+
+    def fast_forward(self) -> bool:
+        """Advance decode-only steps up to the next finish once the policy has nothing left to admit.
+
+        Nothing can change before that finish: no prefill, no admission; progress reports due in
+        the stretch are delivered right after it, with the lengths they had when due.
+        """
+        n = self.n_dec
+        k = min(self.next_finish() - self.t + 1, (self.cap - self.pinned()) // n)
+        if k < 2:
+            return False
+        used = self.used()
+        for j in range(k):
+            self.record(0, self.ctx + n * j + 0.5 * n, used + n * j)
+        self.ctx += k * n
+        self.gen += k * n
+        self.t += k
+        over = self.used() - self.cap
+        if over > 0:
+            self.cache.evict(over)
+        return True
+
+    def step(self) -> None:
+        """One scheduling step: reserve decode KV, admit, prefill, cost the step, retire."""
+        self.reserve_decode()  # 1. room for every decoding request's next token
+        admitted = self.admit()  # 2. the policy picks who starts
+        if (not admitted and not self.queue and self.n_dec and not self.policy.has_pending()
+                and self.fast_forward()):
+            self.after_step()
+            return
+        budget = self.policy.prefill_budget(self.budget())  # 3. pacing
+        chunk = self.cfg.max_step_tokens if budget is None else max(0, min(budget, self.cfg.max_step_tokens))
+        if chunk == 0 and self.n_dec == 0:
+            chunk = self.cfg.max_step_tokens  # an idle step must make progress
+        starting: list[int] = []
+        done = self.prefill(chunk, starting)
+        tokens = done + self.n_dec
+        if tokens == 0 and not starting:
+            self.stalled()
+        self.prefilled += done
+        self.record(done, self.ctx + 0.5 * self.n_dec, self.used())  # 4. cost: compute ∥ memory
+        self.ctx += self.n_dec
+        self.gen += self.n_dec
+        self.t += 1
+        self.start_decoding(starting)
+        self.after_step()
+
+    def after_step(self) -> None:
+        self.retire()  # 5. finished requests free KV and tell the policy
+        used = self.used()
+        assert used <= self.cap, (used, self.cap)
+        self.peak = max(self.peak, used)
+
+    def stalled(self) -> None:
+        if self.queue:
+            raise SimulationError(
+                f"request {self.ids[self.queue[0]]!r} does not fit in {self.cap} KV tokens")
+        raise SimulationError("policy admits nothing while nothing runs; "
+                              f"{self.n - self.finished} requests never finished")
+
+    def run(self) -> SimResult:
+        while self.finished < self.n:
+            self.step()
+        if self.policy.has_pending():
+            raise SimulationError("policy still has requests after every trace request finished")
+        comp, mem = np.asarray(self.comp), np.asarray(self.mem)
+        total = np.maximum(comp, mem) if self.cfg.overlap else comp + mem
+        return SimResult(
+            makespan_s=float(total.sum()), steps=len(comp), requests=self.n,
+            prompt_tokens=sum(self.p), output_tokens=sum(self.d),
+            cached_prompt_tokens=self.cached_prompt, prefill_tokens=self.prefilled,
+            preemptions=self.preemptions, prefill_aborts=self.prefill_aborts,
+            peak_kv_tokens=self.peak,
+            step_compute_s=comp, step_memory_s=mem,
+            **dict(zip(("step_prefill_tokens", "step_decoding", "step_queued", "step_kv_used"),
+                       np.asarray(self.trace_rows, dtype=np.int64).reshape(-1, 4).T)))
+
+
+def simulate(entries: Sequence[TraceEntry], policy: AdmissionPolicy, cost: CostModel,
+             config: SimConfig, tree: PrefixTree | None = None) -> SimResult:
+    """Run every entry through `policy` on `cost`; `tree` (the trace's radix tree) is reused if given."""
+    return _Run(entries, policy, cost, config, tree).run()

@@ -1,0 +1,98 @@
+"""Synthetic trace generators: family shapes, the 2×2 grid's ρ and sharing, files the simulator reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import make_traces as mt
+from scheduler.cost_model import CostModel
+from scheduler.prefix_tree import PrefixTree
+from scheduler.simulate import read_trace
+
+COST = CostModel.default()
+
+
+def measured(reqs: list[mt.TraceRequest]) -> tuple[float, float, float, float]:
+    """(mean prompt, mean output, max sharing from a real radix tree, ρ(root)) of a trace."""
+    p = np.array([len(r.prompt_token_ids) for r in reqs], dtype=float)
+    d = np.array([r.output_len for r in reqs], dtype=float)
+    s = PrefixTree.build([r.prompt_token_ids for r in reqs]).max_sharing_ratio()
+    rho = COST.set_rho(float(COST.comp(p, d).sum()), float(COST.mem(p, d).sum()), s)
+    return float(p.mean()), float(d.mean()), s, rho
+
+
+@pytest.mark.parametrize(("family", "prompt", "output"), [
+    ("burstgpt", 244, 27), ("azure", 2500, 23), ("openvid", 120, 3000), ("reasoning", 400, 4000)])
+def test_family_lengths_follow_the_papers_traces(family: str, prompt: float, output: float) -> None:
+    reqs, stats = mt.generate_family(family, 3000, seed=1)
+    mean_p, mean_d, _, _ = measured(reqs)
+    assert mean_p == pytest.approx(prompt, rel=0.2)
+    assert mean_d == pytest.approx(output, rel=0.2)
+    assert stats.mean_prompt == pytest.approx(mean_p)
+
+
+def test_mmlu_shares_long_few_shot_prefixes_and_answers_in_a_few_tokens() -> None:
+    reqs, _ = mt.generate_family("mmlu", 1200, seed=2)
+    _, _, sharing, rho = measured(reqs)
+    outs = {r.output_len for r in reqs}
+    assert outs <= {1, 2, 3, 4, 5} and len(outs) == 5
+    assert sharing > 0.6
+    assert rho > 10  # very compute-heavy even after sharing
+
+
+def test_output_lengths_depend_on_the_prefix_group() -> None:
+    """Requests sharing a group prefix have correlated outputs: sampling a subtree is informative."""
+    reqs, _ = mt.generate_family("reasoning", 3000, seed=3)
+    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
+    d = np.log([r.output_len for r in reqs])
+    groups: dict[int, list[float]] = {}
+    for i in range(len(reqs)):
+        groups.setdefault(int(tree.parent[tree.leaf_node[i]]), []).append(d[i])
+    sizable = [np.mean(v) for v in groups.values() if len(v) >= 5]
+    assert len(sizable) > 20
+    assert np.var(sizable) > 2 * np.var(d) / 10  # group means spread more than noise alone
+
+
+@pytest.mark.parametrize("name", sorted(mt.MIXES))
+def test_grid_mix_hits_its_density_and_sharing(name: str) -> None:
+    mix = mt.MIXES[name]
+    reqs, stats = mt.generate_mix(name, 1500, seed=4)
+    _, _, sharing, rho = measured(reqs)
+    assert len(reqs) == 1500 and len({r.id for r in reqs}) == 1500
+    assert sharing == pytest.approx(mix.target_sharing, abs=0.02)
+    assert rho == pytest.approx(mix.target_rho, rel=0.1)
+    assert (rho > 1) == name.startswith("compute")
+    assert stats.max_sharing == pytest.approx(sharing, abs=0.005)
+
+
+def test_generation_is_seeded() -> None:
+    a, _ = mt.generate_mix("memory_low_sharing", 300, seed=7)
+    b, _ = mt.generate_mix("memory_low_sharing", 300, seed=7)
+    c, _ = mt.generate_mix("memory_low_sharing", 300, seed=8)
+    assert a == b
+    assert a != c
+
+
+def test_cli_writes_traces_the_simulator_reads(tmp_path: Path, capsys) -> None:
+    assert mt.main(["--grid", "--out", str(tmp_path), "--requests", "200", "--seed", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4
+    for line in lines:
+        info = json.loads(line)
+        entries = read_trace(info["path"])
+        assert len(entries) == 200
+        assert sum(e.output_len for e in entries) == info["output_tokens"]
+    assert mt.main(["--family", "azure", "--out", str(tmp_path), "--requests", "50"]) == 0
+    assert len(read_trace(tmp_path / "azure.jsonl")) == 50
+
+
+def test_scale_trace_streams_to_disk_with_150_prompt_tokens_a_request(tmp_path: Path) -> None:
+    stats = mt.write_scale_trace(tmp_path / "scale.jsonl", n=2000, seed=0)
+    entries = read_trace(tmp_path / "scale.jsonl")
+    assert len(entries) == 2000 == stats.requests
+    assert stats.mean_prompt == pytest.approx(150, rel=0.15)
+    assert sum(e.request.prompt_len for e in entries) == stats.prompt_tokens
