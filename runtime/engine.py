@@ -1,0 +1,442 @@
+"""The engine: continuous batching with chunked prefill over the paged KV pool and radix cache.
+
+Each step reads as schedule → run model → apply results. A sequence is a token list plus how many
+of its tokens already have K/V (`computed`); prefill, decode and recompute after preemption are
+the same operation (feed the uncomputed tokens, sample when none are left), so one code path
+serves them all. What to admit comes from an `AdmissionPolicy` (scheduler/types.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.attention import AttentionBatch, make_backend
+from runtime.config import LoadedModel
+from runtime.kv_cache import PagedKVPool, default_kv_memory_bytes
+from runtime.model import LlamaModel
+from runtime.radix_cache import RadixCache, RadixNode
+from runtime.sampler import Sampler, SamplingState, StopChecker
+from runtime.types import Choice, EngineRequest, RequestError, RequestOutput, TokenLogprob
+from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
+
+PROGRESS_EVERY = 16  # tokens between policy.on_progress calls for one request
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_batch_tokens: int = 2048  # tokens (decode + prefill) per step
+    kv_memory_bytes: int | None = None  # KV pool budget; None = 10% of RAM capped at 2 GiB
+    page_size: int = 16  # tokens per KV page
+    device: str = "cpu"
+    dtype: str | torch.dtype | None = None  # None = bfloat16 on CPUs with AVX512-BF16/AMX, else fp32
+    attention_backend: str = "torch"
+    seed: int = 0  # seeds unseeded sampling and dummy weights
+
+    def __post_init__(self) -> None:
+        assert self.max_batch_tokens >= 1 and self.page_size >= 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    decode_tokens: int = 0  # tokens run as decodes (one per generated token but the last)
+    steps: int = 0
+    preemptions: int = 0
+    finished_requests: int = 0
+
+
+def _cpu_has_bf16() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 GEMMs run several times faster than float32 there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is not None:
+        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if device == "cpu":
+        return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+    return torch.bfloat16
+
+
+@dataclass(eq=False)
+class _Group:
+    """One request: its n choices finish separately and leave together."""
+
+    req: EngineRequest
+    cached_tokens: int = -1  # set when the first sequence starts
+    choices: list[Choice | None] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Seq:
+    group: _Group
+    index: int  # choice index
+    tokens: list[int]  # prompt + generated
+    sampling: SamplingState
+    stop: StopChecker
+    forks_left: int = 0  # choices still to fork off after this sequence's prefill
+    computed: int = 0  # tokens whose K/V sit in `pages`
+    pages: list[int] = field(default_factory=list)
+    tree_pages: int = 0  # leading pages owned by the radix cache (locked through `node`)
+    node: RadixNode | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    order: int = 0  # admission order, newest is preempted first
+
+    @property
+    def generated(self) -> int:
+        return len(self.stop.tokens)
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
+        cfg = config or EngineConfig()
+        self.config = cfg
+        self.tokenizer = model.tokenizer
+        self.model_name = model.name
+        mc = model.config
+        self.max_model_len = mc.max_position_embeddings
+        self.dtype = resolve_dtype(cfg.dtype, cfg.device)
+        self.model = LlamaModel(mc, model.weights, dtype=self.dtype, device=cfg.device, seed=cfg.seed)
+        budget = cfg.kv_memory_bytes if cfg.kv_memory_bytes is not None else default_kv_memory_bytes()
+        per_page = PagedKVPool.bytes_per_page(num_layers=mc.num_layers, page_size=cfg.page_size,
+                                              kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                              dtype=self.dtype)
+        self.pool = PagedKVPool(num_layers=mc.num_layers, num_pages=max(1, budget // per_page),
+                                page_size=cfg.page_size, kv_heads=mc.num_kv_heads,
+                                head_dim=mc.head_dim, dtype=self.dtype, device=cfg.device)
+        self.cache = RadixCache(cfg.page_size, self.pool.free)
+        self.attn = make_backend(cfg.attention_backend, self.pool, num_heads=mc.num_heads,
+                                 scale=mc.head_dim**-0.5)
+        self.sampler = Sampler()
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
+        self.vocab_size = mc.vocab_size
+        self._stats = EngineStats()
+        self._order = itertools.count()
+        self._seed = itertools.count(cfg.seed * 1_000_003 + 1)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.pool.capacity_tokens
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def _count(self, **inc: int) -> None:
+        s = self._stats
+        self._stats = EngineStats(**{k: getattr(s, k) + inc.get(k, 0) for k in s.__dataclass_fields__})
+
+    # ---- request validation ------------------------------------------------------------------
+    def check(self, req: EngineRequest) -> RequestError | None:
+        """Why this request cannot run (a 400 for it alone), or None."""
+        p, n = len(req.prompt_token_ids), req.params.n
+        if p == 0:
+            return RequestError("The prompt must contain at least one token.", "messages")
+        if req.params.max_tokens < 1:
+            return RequestError("max_tokens must be at least 1.", "max_tokens", "invalid_value")
+        if n < 1:
+            return RequestError("n must be at least 1.", "n", "invalid_value")
+        if p + req.params.max_tokens > self.max_model_len:
+            return RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {p + req.params.max_tokens} tokens ({p} in the messages, "
+                f"{req.params.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.", "messages", "context_length_exceeded")
+        ps = self.pool.page_size
+        need_pages = -(-p // ps) + n * -(-(req.params.max_tokens + ps) // ps)
+        if need_pages > self.pool.num_pages:
+            return RequestError(
+                f"The request needs about {need_pages * ps} tokens of KV cache; this engine holds "
+                f"{self.kv_capacity_tokens}. Reduce the prompt, max_tokens or n.", "max_tokens",
+                "context_length_exceeded")
+        if any(not 0 <= t < self.vocab_size for t in req.prompt_token_ids):
+            return RequestError("The prompt contains a token id outside the vocabulary.", "prompt")
+        return None
+
+    # ---- the run ----------------------------------------------------------------------------
+    def generate(
+        self,
+        requests: Iterable[EngineRequest],
+        *,
+        policy: str | AdmissionPolicy = "fcfs",
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield each request's output as it finishes (errors included, as outputs)."""
+        known: dict[str, EngineRequest] = {}
+        done: deque[RequestOutput] = deque()
+
+        def plan_requests() -> Iterator[PlanRequest]:
+            for req in requests:
+                err = self.check(req)
+                if err is not None:
+                    done.append(RequestOutput(req.id, len(req.prompt_token_ids), 0, error=err))
+                    continue
+                known[req.id] = req
+                sp = req.params
+                exact = sp.ignore_eos and not sp.stop and not sp.stop_token_ids
+                yield PlanRequest(req.id, req.prompt_token_ids, sp.max_tokens,
+                                  sp.max_tokens if exact else None)
+
+        if isinstance(policy, str):
+            from scheduler.policies import make_policy
+
+            pol = make_policy(policy, plan_requests(), kv_capacity_tokens=self.kv_capacity_tokens)
+        else:
+            pol = policy
+            for _ in plan_requests():  # the caller built the policy: index the requests now
+                pass
+        waiting: deque[_Seq] = deque()  # admitted, holding no pages
+        running: list[_Seq] = []  # holding pages: prefilling or decoding
+        try:
+            yield from self._loop(pol, known, done, waiting, running, should_stop)
+        finally:  # also when the caller abandons the generator: hand every page back
+            for s in running:
+                self._release(s)
+
+    def _loop(self, pol: AdmissionPolicy, known: dict[str, EngineRequest],
+              done: deque[RequestOutput], waiting: deque[_Seq], running: list[_Seq],
+              should_stop: Callable[[], bool] | None) -> Iterator[RequestOutput]:
+        stopping, idle_rounds = False, 0
+        with torch.inference_mode():
+            while True:
+                while done:
+                    yield done.popleft()
+                if not stopping and should_stop is not None and should_stop():
+                    stopping = True
+                    waiting = deque(s for s in waiting if s.generated > 0 or s.index > 0)
+                if not stopping:
+                    self._admit(pol, known, waiting, running)
+                if not running and not waiting:
+                    if done:
+                        continue
+                    if stopping or not pol.has_pending():
+                        return
+                    idle_rounds += 1
+                    assert idle_rounds < 3, "admission policy admits nothing to an idle engine"
+                    continue
+                idle_rounds = 0
+                done.extend(self._step(pol, waiting, running))
+
+    def _admit(self, pol: AdmissionPolicy, known: dict[str, EngineRequest],
+               waiting: deque[_Seq], running: list[_Seq]) -> None:
+        for pr in pol.admit(self._budget(waiting, running)):
+            req = known.pop(pr.id, None)
+            if req is None:  # failed check(): its error output is already queued
+                continue
+            group = _Group(req, choices=[None] * req.params.n)
+            waiting.append(self._new_seq(group, 0, forks=req.params.n - 1))
+
+    def _budget(self, waiting: deque[_Seq], running: list[_Seq]) -> StepBudget:
+        free = (self.pool.num_free + self.cache.evictable_pages) * self.pool.page_size
+        pending = sum(len(s.tokens) - s.computed for s in itertools.chain(waiting, running)
+                      if s.generated == 0)
+        return StepBudget(self.kv_capacity_tokens, free, len(waiting) + len(running), pending)
+
+    def _new_seq(self, group: _Group, index: int, forks: int = 0) -> _Seq:
+        p = group.req.params
+        return _Seq(group, index, list(group.req.prompt_token_ids),
+                    SamplingState.create(p, index, next(self._seed)),
+                    StopChecker(p, self.tokenizer, self.eos_ids), forks_left=forks,
+                    order=next(self._order))
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _step(self, pol: AdmissionPolicy, waiting: deque[_Seq], running: list[_Seq]) -> list[RequestOutput]:
+        # 1. schedule: decodes first, then prefill chunks within the token and page budgets
+        batch = self._schedule(pol, waiting, running)
+        if not batch:
+            return []
+        # 2. run the model on the flat batch
+        logits = self._run(batch)
+        # 3. apply: advance computed counts, cache finished prompts, sample, finish choices
+        return self._apply(pol, batch, logits, waiting, running)
+
+    def _schedule(self, pol: AdmissionPolicy, waiting: deque[_Seq],
+                  running: list[_Seq]) -> list[tuple[_Seq, int]]:
+        tokens_left = self.config.max_batch_tokens
+        # decodes: every running sequence with exactly one token to feed
+        decodes = [s for s in running if len(s.tokens) - s.computed == 1 and s.generated > 0]
+        while decodes and not self._reserve(decodes):
+            victim = max(running, key=lambda s: s.order)
+            self._preempt(victim, waiting, running)
+            decodes = [s for s in decodes if s is not victim]
+        decodes = decodes[:tokens_left]
+        batch = [(s, 1) for s in decodes]
+        tokens_left -= len(batch)
+        limit = pol.prefill_budget(self._budget(waiting, running))
+        if limit is None or (limit <= 0 and not batch):  # an idle step helps nobody
+            limit = tokens_left
+        prefill_left = min(tokens_left, max(limit, 0))
+        in_batch = {id(s) for s in decodes}
+        candidates = [s for s in running if id(s) not in in_batch]
+        starved = False
+        while prefill_left > 0:
+            if candidates:
+                seq = candidates.pop(0)
+            elif waiting:
+                seq = waiting.popleft()
+                self._start(seq)
+                running.append(seq)
+            else:
+                break
+            want = min(len(seq.tokens) - seq.computed, prefill_left)
+            chunk = self._grow(seq, want)
+            if chunk == 0:
+                starved = True
+                break
+            batch.append((seq, chunk))
+            prefill_left -= chunk
+        if not batch and starved:  # pages all held by half-prefilled sequences: make room
+            self._preempt(max(running, key=lambda s: s.order), waiting, running)
+        # the attention backend wants single-token sequences first
+        batch.sort(key=lambda e: e[1] != 1)
+        return batch
+
+    def _free_pages(self, need: int) -> bool:
+        """Make `need` pages free, evicting unlocked cache leaves if needed."""
+        short = need - self.pool.num_free
+        if short > 0 and self.cache.evictable_pages >= short:
+            self.cache.evict(max(short, 16))
+        return self.pool.num_free >= need
+
+    def _reserve(self, decodes: list[_Seq]) -> bool:
+        """Give every decode a page for its next token; False when memory runs out."""
+        ps = self.pool.page_size
+        need = [s for s in decodes if s.computed >= len(s.pages) * ps]
+        if not self._free_pages(len(need)):
+            return False
+        for s, page in zip(need, self.pool.alloc(len(need))):
+            s.pages.append(page)
+        return True
+
+    def _grow(self, seq: _Seq, want: int) -> int:
+        """Allocate pages for up to `want` more tokens of `seq`; returns how many fit."""
+        ps = self.pool.page_size
+        room = len(seq.pages) * ps - seq.computed  # free slots in its last page
+        need = max(0, -(-(want - room) // ps))
+        need = min(need, self.pool.num_free + self.cache.evictable_pages)
+        self._free_pages(need)
+        seq.pages.extend(self.pool.alloc(need))
+        return min(want, room + need * ps)
+
+    def _start(self, seq: _Seq) -> None:
+        """Give a waiting sequence its cached prefix (whole pages, at least one token left to run)."""
+        ps = self.pool.page_size
+        pages, node = self.cache.match_prefix(seq.tokens, (len(seq.tokens) - 1) // ps)
+        self.cache.lock(node)
+        seq.pages, seq.tree_pages, seq.node, seq.computed = pages, len(pages), node, len(pages) * ps
+        if seq.group.cached_tokens < 0:
+            seq.group.cached_tokens = seq.computed
+            self._count(cached_tokens=seq.computed)
+
+    def _preempt(self, seq: _Seq, waiting: deque[_Seq], running: list[_Seq]) -> None:
+        """Recompute later: drop the sequence's K/V, keep its tokens, put it first in line."""
+        self._release(seq)
+        running.remove(seq)
+        waiting.appendleft(seq)
+        self._count(preemptions=1)
+
+    def _release(self, seq: _Seq) -> None:
+        self.pool.free(seq.pages[seq.tree_pages :])
+        if seq.node is not None:
+            self.cache.unlock(seq.node)
+        seq.pages, seq.tree_pages, seq.node, seq.computed = [], 0, None, 0
+
+    def _cache_prefix(self, seq: _Seq) -> None:
+        """Hand the sequence's full computed pages to the radix cache (dropping duplicates)."""
+        ps = self.pool.page_size
+        full = seq.computed // ps
+        if full <= seq.tree_pages:
+            return
+        key = seq.tokens[: full * ps]
+        self.cache.insert(key, seq.pages[:full])
+        tree, node = self.cache.match_prefix(key, full)
+        assert len(tree) == full
+        dup = [mine for mine, t in zip(seq.pages[seq.tree_pages : full], tree[seq.tree_pages :])
+               if mine != t]
+        self.pool.free(dup)
+        self.cache.lock(node)
+        if seq.node is not None:
+            self.cache.unlock(seq.node)
+        seq.pages[:full], seq.tree_pages, seq.node = tree, full, node
+
+    def _run(self, batch: list[tuple[_Seq, int]]) -> torch.Tensor:
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
+        for s, n in batch:
+            ids.extend(s.tokens[s.computed : s.computed + n])
+            pos.extend(range(s.computed, s.computed + n))
+            if s.computed + n == len(s.tokens):
+                rows.append(len(ids) - 1)
+        num_decode = sum(1 for _, n in batch if n == 1)
+        plan = self.attn.plan(AttentionBatch(
+            q_lens=[n for _, n in batch], kv_lens=[s.computed + n for s, n in batch],
+            page_tables=[s.pages for s, _ in batch], num_decode=num_decode))
+        dev = self.model.device
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=dev)
+
+        return self.model.forward(t(ids), t(pos), self.attn, plan, t(rows)).cpu()
+
+    def _apply(self, pol: AdmissionPolicy, batch: list[tuple[_Seq, int]], logits: torch.Tensor,
+               waiting: deque[_Seq], running: list[_Seq]) -> list[RequestOutput]:
+        sample: list[_Seq] = []
+        prefill = decode = 0
+        for s, n in batch:
+            if s.generated > 0 and n == 1:
+                decode += 1
+            else:
+                prefill += n
+            s.computed += n
+            if s.computed == len(s.tokens):
+                sample.append(s)
+                if s.generated == 0:
+                    self._cache_prefix(s)  # the prompt is in: later requests (and forks) share it
+        self._count(prefill_tokens=prefill, decode_tokens=decode, steps=1)
+        for s in sample:
+            while s.forks_left > 0:  # n > 1: the other choices start from the cached prompt
+                waiting.appendleft(self._new_seq(s.group, s.forks_left))
+                s.forks_left -= 1
+        outputs = []
+        tok = self.tokenizer
+        for s, st in zip(sample, self.sampler.sample(logits, [s.sampling for s in sample])):
+            if st.logprob is not None:
+                s.logprobs.append(TokenLogprob(st.token_id, tok.token_text(st.token_id), st.logprob,
+                                               tuple((i, tok.token_text(i), lp) for i, lp in st.top)))
+            s.tokens.append(st.token_id)
+            if s.stop.append(st.token_id):
+                out = self._finish(pol, s, running)
+                if out is not None:
+                    outputs.append(out)
+            elif s.generated % PROGRESS_EVERY == 0:
+                pol.on_progress(s.group.req.id, s.generated)
+        return outputs
+
+    def _finish(self, pol: AdmissionPolicy, s: _Seq, running: list[_Seq]) -> RequestOutput | None:
+        self._cache_prefix(s)
+        self._release(s)
+        running.remove(s)
+        ids, text, reason = s.stop.result()
+        lps = tuple(s.logprobs[: len(ids)]) if s.group.req.params.logprobs else None
+        g = s.group
+        g.choices[s.index] = Choice(s.index, tuple(ids), text, reason, lps)
+        if any(c is None for c in g.choices):
+            return None
+        self._count(finished_requests=1)
+        pol.on_finish(g.req.id, max(len(c.token_ids) for c in g.choices if c is not None))
+        return RequestOutput(g.req.id, len(g.req.prompt_token_ids), max(g.cached_tokens, 0),
+                             tuple(c for c in g.choices if c is not None))

@@ -1,0 +1,165 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) over a flat token batch with a paged KV cache.
+
+All sequences' new tokens are concatenated (no padding): forward(input_ids [T], positions [T]).
+Weights use Hugging Face Llama names; q/k/v and gate/up are fused into one GEMM each at load.
+Numerics follow transformers (RMSNorm in fp32, RoPE cos/sin from fp32 angles) so that greedy
+outputs match `generate` token for token in the same dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention.base import AttentionBackend
+from runtime.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama-3.1 ("llama3") scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    sc = config.rope_scaling
+    rope_type = (sc or {}).get("rope_type", (sc or {}).get("type", "default"))
+    if sc is None or rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(sc["factor"])
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+    factor = float(sc["factor"])
+    low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+    old_ctx = float(sc.get("original_max_position_embeddings", config.max_position_embeddings))
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [T, hidden]; normalised in fp32, rounded to the model dtype, then scaled (as transformers)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; cos/sin: [T, 1, hd/2] -> x rotated (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaModel:
+    """Weights as plain tensors (no nn.Module): the forward is a straight line of torch ops."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor] | None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        w = dict(weights) if weights is not None else self._random_weights(config, seed)
+
+        def get(name: str) -> torch.Tensor:
+            return w[name].to(device=self.device, dtype=dtype).contiguous()
+
+        c = config
+        self.embed = get("model.embed_tokens.weight")  # [V, hidden]
+        if c.tie_word_embeddings or "lm_head.weight" not in w:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = get("lm_head.weight")  # [V, hidden]
+        self.norm = get("model.norm.weight")
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            layer: dict[str, torch.Tensor | None] = {
+                "ln1": get(p + "input_layernorm.weight"),
+                "ln2": get(p + "post_attention_layernorm.weight"),
+                # qkv: [(H + 2*KVH) * hd, hidden]
+                "qkv": torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"], 0).contiguous(),
+                "qkv_b": None,
+                "o": get(a + "o_proj.weight"),  # [hidden, H*hd]
+                # gate_up: [2 * inter, hidden]
+                "gate_up": torch.cat(
+                    [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0
+                ).contiguous(),
+                "down": get(p + "mlp.down_proj.weight"),  # [hidden, inter]
+            }
+            if c.attention_bias or (a + "q_proj.bias") in w:
+                layer["qkv_b"] = torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"], 0)
+            self.layers.append(layer)
+        self.inv_freq = rope_inv_freq(c).to(self.device)  # [hd/2] fp32
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+    @staticmethod
+    def _random_weights(c: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+        """Random weights of the right shapes (`dummy:<shape>` models, benchmarks)."""
+        gen = torch.Generator().manual_seed(seed)
+
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen) * 0.02
+
+        h, hd = c.hidden_size, c.head_dim
+        w = {"model.embed_tokens.weight": rnd(c.vocab_size, h), "model.norm.weight": torch.ones(h)}
+        if not c.tie_word_embeddings:
+            w["lm_head.weight"] = rnd(c.vocab_size, h)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            w[p + "input_layernorm.weight"] = torch.ones(h)
+            w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+            for n, rows in (("q", c.num_heads * hd), ("k", c.num_kv_heads * hd), ("v", c.num_kv_heads * hd)):
+                w[p + f"self_attn.{n}_proj.weight"] = rnd(rows, h)
+                if c.attention_bias:
+                    w[p + f"self_attn.{n}_proj.bias"] = rnd(rows)
+            w[p + "self_attn.o_proj.weight"] = rnd(h, c.num_heads * hd)
+            w[p + "mlp.gate_proj.weight"] = rnd(c.intermediate_size, h)
+            w[p + "mlp.up_proj.weight"] = rnd(c.intermediate_size, h)
+            w[p + "mlp.down_proj.weight"] = rnd(h, c.intermediate_size)
+        return w
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, 1, hd/2] in the model dtype, from fp32 angles as transformers computes them."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, hd/2]
+        return freqs.cos().to(self.dtype)[:, None, :], freqs.sin().to(self.dtype)[:, None, :]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        plan: object,
+        logits_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]; logits_idx: [R] rows to project -> logits [R, V] float32."""
+        c = self.config
+        t = input_ids.shape[0]
+        cos, sin = self.rope(positions)  # [T, 1, hd/2]
+        x = self.embed[input_ids]  # [T, hidden]
+        for i, lw in enumerate(self.layers):
+            h = _rms_norm(x, lw["ln1"], c.rms_norm_eps)  # type: ignore[arg-type]
+            qkv = F.linear(h, lw["qkv"], lw["qkv_b"])  # type: ignore[arg-type]  # [T, (H+2KVH)*hd]
+            qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, c.head_dim), cos, sin)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, H, hd], [T, KVH, hd]
+            v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
+            o = attn.forward(i, q, k, v, plan)  # [T, H*hd]
+            x = x + F.linear(o, lw["o"])  # type: ignore[arg-type]
+            h = _rms_norm(x, lw["ln2"], c.rms_norm_eps)  # type: ignore[arg-type]
+            gu = F.linear(h, lw["gate_up"])  # type: ignore[arg-type]  # [T, 2*inter]
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw["down"])  # type: ignore[arg-type]
+        x = _rms_norm(x.index_select(0, logits_idx), self.norm, c.rms_norm_eps)  # [R, hidden]
+        return F.linear(x, self.lm_head).float()  # [R, V]

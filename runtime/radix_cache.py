@@ -1,0 +1,159 @@
+"""A radix tree over token ids mapping cached prefixes to KV pages (SGLang's RadixCache, paged).
+
+Keys are whole pages: a node's key is a run of tokens whose length is a multiple of page_size
+and its `pages` hold their K/V. Requests lock the path they use (ref counts up to the root);
+unlocked leaves are evicted least-recently-used first when the pool runs out of pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class RadixNode:
+    key: list[int]  # tokens, len == len(pages) * page_size
+    pages: list[int]
+    parent: RadixNode | None
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # by first page
+    ref: int = 0  # requests currently using this node (or a descendant)
+    last_access: int = 0
+
+
+class RadixCache:
+    """Prefix tree of cached pages; owns every page in it and hands evicted ones to `free_pages`."""
+
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+        self.page_size = page_size
+        self._free_pages = free_pages
+        self._clock = itertools.count(1)
+        self.root = RadixNode(key=[], pages=[], parent=None, ref=1)
+        self.evictable_pages = 0  # pages in nodes with ref == 0
+        self.total_pages = 0
+
+    # ---- lookup -------------------------------------------------------------------------
+    def match_prefix(self, tokens: Sequence[int], max_pages: int | None = None) -> tuple[list[int], RadixNode]:
+        """Pages of the longest cached prefix of `tokens` (whole pages, at most max_pages)."""
+        ps = self.page_size
+        limit = len(tokens) // ps if max_pages is None else min(max_pages, len(tokens) // ps)
+        node, pages, i = self.root, [], 0  # i: pages matched so far
+        now = next(self._clock)
+        node.last_access = now
+        while i < limit:
+            child = node.children.get(tuple(tokens[i * ps : (i + 1) * ps]))
+            if child is None:
+                break
+            n = self._match_pages(child, tokens, i, limit)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = now
+            pages.extend(child.pages)
+            i += n
+            node = child
+        return pages, node
+
+    def _match_pages(self, node: RadixNode, tokens: Sequence[int], start: int, limit: int) -> int:
+        ps, n = self.page_size, 0
+        while n < len(node.pages) and start + n < limit:
+            a = (start + n) * ps
+            if node.key[n * ps : (n + 1) * ps] != list(tokens[a : a + ps]):
+                break
+            n += 1
+        return n
+
+    def _split(self, node: RadixNode, n: int) -> RadixNode:
+        """Cut `node` after its first n pages; returns the new upper part."""
+        ps = self.page_size
+        parent = node.parent
+        assert parent is not None and 0 < n < len(node.pages)
+        upper = RadixNode(node.key[: n * ps], node.pages[:n], parent, ref=node.ref,
+                          last_access=node.last_access)
+        parent.children[tuple(upper.key[:ps])] = upper
+        node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], upper
+        upper.children[tuple(node.key[:ps])] = node
+        return upper
+
+    # ---- insert ---------------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[int, RadixNode]:
+        """Cache `pages` (one per page_size tokens of `tokens`).
+
+        Returns (pages already cached, last node). The caller owns its pages in that already-cached
+        range and frees those that differ from the tree's (duplicates computed concurrently);
+        the tree owns the rest from now on.
+        """
+        ps = self.page_size
+        n_pages = min(len(pages), len(tokens) // ps)
+        node, i = self.root, 0
+        now = next(self._clock)
+        while i < n_pages:
+            child = node.children.get(tuple(tokens[i * ps : (i + 1) * ps]))
+            if child is None:
+                new = RadixNode(list(tokens[i * ps : n_pages * ps]), list(pages[i:n_pages]), node,
+                                last_access=now)
+                node.children[tuple(new.key[:ps])] = new
+                self.evictable_pages += len(new.pages)
+                self.total_pages += len(new.pages)
+                return i, new
+            n = self._match_pages(child, tokens, i, n_pages)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = now
+            i += n
+            node = child
+        return i, node
+
+    # ---- locking --------------------------------------------------------------------------
+    def lock(self, node: RadixNode) -> None:
+        while node is not self.root and node is not None:
+            if node.ref == 0:
+                self.evictable_pages -= len(node.pages)
+            node.ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not self.root and node is not None:
+            node.ref -= 1
+            assert node.ref >= 0
+            if node.ref == 0:
+                self.evictable_pages += len(node.pages)
+            node = node.parent  # type: ignore[assignment]
+
+    # ---- eviction -------------------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` pages from unlocked leaves, oldest first; returns pages freed."""
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[tuple(node.key[: self.page_size])]
+            self._free_pages(node.pages)
+            freed += len(node.pages)
+            self.evictable_pages -= len(node.pages)
+            self.total_pages -= len(node.pages)
+            if parent is not self.root and not parent.children and parent.ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _leaves(self) -> list[RadixNode]:
+        out, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            elif n is not self.root:
+                out.append(n)
+        return out
+
+    def nodes(self) -> list[RadixNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out

@@ -1,0 +1,164 @@
+"""Token sampling and stop detection for a batch of sequences.
+
+`Sampler.sample` turns one logits row per sequence into the next token: greedy rows share one
+argmax, random rows (temperature / top-k / top-p) are filtered together and then drawn with each
+request's own torch.Generator so a seed reproduces its output. `StopChecker` owns the per-choice
+finish rules (EOS, stop ids, stop strings via incremental detokenization, max_tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.config import Tokenizer
+from runtime.types import FinishReason, SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """What sampling needs to remember for one choice between steps."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None for greedy
+    counts: dict[int, int] = field(default_factory=dict)  # output token -> times (penalties)
+
+    @classmethod
+    def create(cls, params: SamplingParams, choice_index: int, fallback_seed: int) -> SamplingState:
+        gen = None
+        if params.temperature > 0:
+            seed = params.seed + choice_index if params.seed is not None else fallback_seed
+            gen = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        return cls(params, gen)
+
+    def record(self, token: int) -> None:
+        if self.params.presence_penalty or self.params.frequency_penalty:
+            self.counts[token] = self.counts.get(token, 0) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # set when the choice asked for logprobs
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """OpenAI presence/frequency penalties, in place; only rows that use them pay for it."""
+    for i, st in enumerate(states):
+        p = st.params
+        if (p.presence_penalty or p.frequency_penalty) and st.counts:
+            ids = torch.tensor(list(st.counts.keys()))  # [n]
+            cnt = torch.tensor(list(st.counts.values()), dtype=logits.dtype)  # [n]
+            logits[i, ids] -= p.frequency_penalty * cnt + p.presence_penalty
+
+
+def _filter(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> probabilities [R, V] after temperature, top-k and top-p."""
+    logits = logits / temps[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
+    v = logits.shape[-1]
+    rank = torch.arange(v)[None, :]  # [1, V]
+    k = torch.where(top_k > 0, top_k, v)[:, None]  # [R, 1]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass of better tokens
+    probs = probs.masked_fill((before >= top_p[:, None]) & (rank > 0), 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampledToken]:
+        """logits: [R, V] float32, one row per entry of `states` -> one token per row."""
+        r = logits.shape[0]
+        if any(s.params.presence_penalty or s.params.frequency_penalty for s in states):
+            logits = logits.clone()
+            _apply_penalties(logits, states)
+        tokens = [0] * r
+        greedy = [i for i, s in enumerate(states) if s.generator is None]
+        rand = [i for i, s in enumerate(states) if s.generator is not None]
+        if len(greedy) == r:
+            tokens = logits.argmax(-1).tolist()
+        elif greedy:
+            idx = torch.tensor(greedy)
+            for i, t in zip(greedy, logits[idx].argmax(-1).tolist()):
+                tokens[i] = t
+        if rand:
+            ps = [states[i].params for i in rand]
+            probs = _filter(
+                logits[torch.tensor(rand)],
+                torch.tensor([p.temperature for p in ps]),
+                torch.tensor([p.top_k for p in ps]),
+                torch.tensor([p.top_p for p in ps]),
+            )  # [Rr, V]
+            for j, i in enumerate(rand):
+                tok = torch.multinomial(probs[j], 1, generator=states[i].generator)
+                tokens[i] = int(tok)
+        want = [i for i, s in enumerate(states) if s.params.logprobs]
+        out = [SampledToken(t) for t in tokens]
+        if want:
+            idx = torch.tensor(want)
+            lp = logits[idx].log_softmax(-1)  # [W, V]
+            chosen = lp.gather(1, torch.tensor([tokens[i] for i in want])[:, None])[:, 0].tolist()
+            kmax = max(states[i].params.top_logprobs for i in want)
+            top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
+            for j, i in enumerate(want):
+                k = states[i].params.top_logprobs
+                top: tuple[tuple[int, float], ...] = ()
+                if k and top_v is not None and top_i is not None:
+                    top = tuple(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))
+                out[i] = SampledToken(tokens[i], chosen[j], top)
+        for st, t in zip(states, tokens):
+            st.record(t)
+        return out
+
+
+class StopChecker:
+    """Decides when one choice is finished and what its final token ids and text are."""
+
+    def __init__(self, params: SamplingParams, tokenizer: Tokenizer, eos_ids: Collection[int]) -> None:
+        self.params = params
+        self.tokenizer = tokenizer
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self.max_stop = max((len(s) for s in params.stop), default=0)
+        self.tokens: list[int] = []
+        self.text_len = 0  # length of decoded text last time (stop-string scan window)
+        self.finish: FinishReason | None = None
+        self.stop_at: int | None = None  # char offset of a matched stop string
+        self.keep_tokens: int | None = None  # tokens to report (drops EOS / stop-string tail)
+
+    def append(self, token: int) -> bool:
+        """Record a generated token; True once the choice is finished."""
+        self.tokens.append(token)
+        if token in self.stop_ids:
+            self.finish, self.keep_tokens = "stop", len(self.tokens) - 1
+            return True
+        if self.params.stop:
+            text = self.tokenizer.decode(self.tokens)
+            start = max(0, self.text_len - self.max_stop)
+            hits = [p for p in (text.find(s, start) for s in self.params.stop) if p >= 0]
+            self.text_len = len(text)
+            if hits:
+                self.finish, self.stop_at = "stop", min(hits)
+                # report only tokens whose text lies wholly before the stop string
+                keep = len(self.tokens)
+                while keep > 0 and len(self.tokenizer.decode(self.tokens[:keep])) > self.stop_at:
+                    keep -= 1
+                self.keep_tokens = keep
+                return True
+        if len(self.tokens) >= self.params.max_tokens:
+            self.finish = "length"
+            return True
+        return False
+
+    def result(self) -> tuple[list[int], str, FinishReason]:
+        """(token ids, text, finish reason) of a finished choice."""
+        assert self.finish is not None
+        ids = self.tokens if self.keep_tokens is None else self.tokens[: self.keep_tokens]
+        if self.stop_at is not None:
+            text = self.tokenizer.decode(self.tokens)[: self.stop_at]
+        else:
+            text = self.tokenizer.decode(ids)
+        return ids, text, self.finish

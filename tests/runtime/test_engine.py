@@ -1,0 +1,221 @@
+"""Engine behaviour on a tiny random Llama: prefix reuse, no leaks, preemption, n > 1, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from runtime.config import LoadedModel, ModelConfig
+from runtime.engine import Engine, EngineConfig
+from runtime.types import EngineRequest, RequestOutput, SamplingParams
+from scheduler.types import PlanRequest, StepBudget
+
+VOCAB = 300
+TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+
+
+class WordTokenizer:
+    """Token i is the text "w{i} "; token 0 is EOS."""
+
+    eos_token_ids = frozenset({0})
+    vocab_size = VOCAB
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(w[1:]) for w in text.split()]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"w{i} " for i in ids)
+
+    def apply_chat_template(self, messages):
+        raise NotImplementedError
+
+    def token_text(self, token_id: int) -> str:
+        return f"w{token_id} "
+
+
+class AdmitAll:
+    """The smallest AdmissionPolicy: everything, in order, at the first step."""
+
+    def __init__(self, requests: Iterable[PlanRequest]) -> None:
+        self.pending = list(requests)
+        self.finished: dict[str, int] = {}
+
+    def admit(self, budget: StepBudget) -> list[PlanRequest]:
+        out, self.pending = self.pending, []
+        return out
+
+    def prefill_budget(self, budget: StepBudget) -> int | None:
+        return None
+
+    def on_finish(self, request_id: str, output_len: int) -> None:
+        self.finished[request_id] = output_len
+
+    def on_progress(self, request_id: str, generated: int) -> None:
+        pass
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+
+def tiny_hf(**overrides: object) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).eval()
+
+
+def tiny_model(hf: torch.nn.Module | None = None) -> LoadedModel:
+    hf = hf if hf is not None else tiny_hf()
+    cfg = ModelConfig.from_hf({**hf.config.to_dict(), "eos_token_id": None})
+    return LoadedModel("tiny", cfg, WordTokenizer(), dict(hf.state_dict()))
+
+
+def make_engine(model: LoadedModel | None = None, *, pages: int = 256, page_size: int = 4,
+                max_batch_tokens: int = 64) -> Engine:
+    m = model or tiny_model()
+    per_page = 2 * m.config.num_layers * page_size * m.config.num_kv_heads * m.config.head_dim * 4
+    return Engine(m, EngineConfig(max_batch_tokens=max_batch_tokens, kv_memory_bytes=pages * per_page,
+                                  page_size=page_size, dtype="float32"))
+
+
+def prompts(n: int, *, prefix: int = 0, lo: int = 3, hi: int = 20, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(1, VOCAB, (prefix,), generator=g).tolist()
+    return [shared + torch.randint(1, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),),
+                                   generator=g).tolist() for _ in range(n)]
+
+
+def greedy(ps: list[list[int]], max_tokens: int = 8, **kw: object) -> list[EngineRequest]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+    return [EngineRequest(f"r{i}", p, params) for i, p in enumerate(ps)]
+
+
+def run(engine: Engine, reqs: list[EngineRequest], **kw: object) -> dict[str, RequestOutput]:
+    policy = kw.pop("policy", None) or AdmitAll(
+        PlanRequest(r.id, r.prompt_token_ids, r.params.max_tokens) for r in reqs)
+    return {o.id: o for o in engine.generate(reqs, policy=policy, **kw)}  # type: ignore[arg-type]
+
+
+def assert_no_leaks(engine: Engine) -> None:
+    """Every page is free or held by the cache, and no cache node is still referenced."""
+    assert engine.pool.num_free + engine.cache.total_pages == engine.pool.num_pages
+    assert all(n.ref == 0 for n in engine.cache.nodes())
+    assert engine.cache.evictable_pages == engine.cache.total_pages
+
+
+def test_shared_system_prompt_is_prefilled_once() -> None:
+    engine = make_engine()
+    ps = prompts(6, prefix=40)
+    first = run(engine, greedy(ps[:1]))
+    assert first["r0"].cached_tokens == 0
+    before = engine.stats.prefill_tokens
+    rest = run(engine, greedy(ps[1:]))
+    # the 40-token prefix is 10 whole pages: every later request computes only its own suffix
+    assert all(o.cached_tokens == 40 for o in rest.values())
+    assert engine.stats.prefill_tokens - before == sum(len(p) - 40 for p in ps[1:])
+    assert engine.stats.cached_tokens == 5 * 40
+    assert_no_leaks(engine)
+
+
+def test_no_pages_leak_after_a_run_with_stops_and_errors() -> None:
+    engine = make_engine()
+    reqs = greedy(prompts(10, prefix=9)) + [
+        EngineRequest("long", list(range(1, 600)), SamplingParams(max_tokens=4)),
+        EngineRequest("zero", [1, 2, 3], SamplingParams(max_tokens=0)),
+        EngineRequest("stopper", [5, 6, 7], SamplingParams(max_tokens=30, stop=("w",))),
+    ]
+    out = run(engine, reqs)
+    assert len(out) == 13
+    assert out["long"].error is not None and out["long"].error.code == "context_length_exceeded"
+    assert out["zero"].error is not None and out["zero"].error.param == "max_tokens"
+    assert out["stopper"].choices[0].text == "" and out["stopper"].choices[0].finish_reason == "stop"
+    assert all(len(out[f"r{i}"].choices[0].token_ids) == 8 for i in range(10))
+    assert_no_leaks(engine)
+
+
+def test_preemption_by_recompute_keeps_greedy_outputs() -> None:
+    ps = prompts(8, lo=10, hi=30)
+    reqs = greedy(ps, max_tokens=24)
+    roomy = make_engine()
+    expected = {k: v.choices[0].token_ids for k, v in run(roomy, reqs).items()}
+    tight = make_engine(pages=24)  # 96 tokens of KV for 8 requests of up to 53 tokens
+    got = run(tight, reqs)
+    assert tight.stats.preemptions > 0
+    assert {k: v.choices[0].token_ids for k, v in got.items()} == expected
+    assert_no_leaks(tight)
+
+
+def test_n_choices_share_the_prompt_and_seeds_reproduce() -> None:
+    engine = make_engine()
+    p = prompts(1, lo=30, hi=31)[0]
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=42, n=3, ignore_eos=True)
+    a = run(engine, [EngineRequest("a", p, params)])["a"]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert len({c.token_ids for c in a.choices}) > 1  # different seeds per choice
+    # the prompt's whole pages were computed once; forks recompute at most the partial page
+    assert engine.stats.prefill_tokens <= len(p) + 2 * (len(p) % 4 or 4)
+    b = run(make_engine(), [EngineRequest("a", p, params)])["a"]
+    assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]
+    assert a.completion_tokens == 36
+    assert_no_leaks(engine)
+
+
+def test_logprobs_come_back_per_token() -> None:
+    engine = make_engine()
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=True, top_logprobs=2, ignore_eos=True)
+    out = run(engine, [EngineRequest("x", [1, 2, 3], params)])["x"].choices[0]
+    assert out.logprobs is not None and len(out.logprobs) == 5
+    for lp, tok in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == tok and lp.top[0][0] == tok and lp.logprob <= 0
+        assert len(lp.top) == 2 and lp.token == f"w{tok} "
+
+
+def test_should_stop_finishes_running_requests_and_skips_the_rest() -> None:
+    engine = make_engine(max_batch_tokens=16)
+    reqs = greedy(prompts(6, lo=10, hi=12), max_tokens=4)
+    from scheduler.policies import make_policy
+
+    calls = {"n": 0}
+
+    def stop() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 2
+
+    policy = make_policy("fcfs", (PlanRequest(r.id, r.prompt_token_ids, 4, 4) for r in reqs),
+                         kv_capacity_tokens=engine.kv_capacity_tokens)
+    out = run(engine, reqs, policy=policy, should_stop=stop)
+    # requests that had started finish in full; the ones still queued never ran
+    assert 0 < len(out) < len(reqs)
+    assert all(len(o.choices[0].token_ids) == 4 for o in out.values())
+    assert engine.stats.finished_requests == len(out)
+    assert_no_leaks(engine)
+
+
+def test_fcfs_policy_by_name_runs_every_request() -> None:
+    engine = make_engine(pages=40)
+    reqs = greedy(prompts(12, prefix=8), max_tokens=6)
+    out = {o.id: o for o in engine.generate(iter(reqs), policy="fcfs")}
+    assert sorted(out) == sorted(r.id for r in reqs)
+    assert all(o.error is None and o.completion_tokens == 6 for o in out.values())
+    assert engine.stats.finished_requests == 12
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("bad", [[], [VOCAB + 5]])
+def test_check_rejects_empty_and_out_of_vocabulary_prompts(bad: list[int]) -> None:
+    engine = make_engine()
+    assert engine.check(EngineRequest("x", bad, SamplingParams())) is not None
+    assert engine.check(EngineRequest("x", [1], SamplingParams())) is None
+
+
+def test_abandoning_the_generator_releases_every_page() -> None:
+    engine = make_engine()
+    reqs = greedy(prompts(6, lo=10, hi=20), max_tokens=30)
+    reqs[0] = EngineRequest("r0", reqs[0].prompt_token_ids, SamplingParams(max_tokens=2))
+    it = engine.generate(reqs, policy=AdmitAll(
+        PlanRequest(r.id, r.prompt_token_ids, r.params.max_tokens) for r in reqs))
+    next(it)  # one finished, the others still hold pages
+    it.close()
+    assert_no_leaks(engine)

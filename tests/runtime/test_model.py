@@ -1,0 +1,133 @@
+"""Model forward vs transformers on tiny random configs (Llama, llama3 rope, Qwen2 bias, tied)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from runtime.attention import AttentionBatch, available_backends, make_backend
+from runtime.config import ModelConfig
+from runtime.errors import UnknownAttentionBackend
+from runtime.kv_cache import PagedKVPool
+from runtime.model import LlamaModel
+
+TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def hf_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True,
+                                             architectures=["Qwen2ForCausalLM"])).eval()
+    extra = {"rope_scaling": LLAMA3_ROPE} if kind == "llama3" else {}
+    return LlamaForCausalLM(LlamaConfig(**TINY, **extra)).eval()
+
+
+def ours(hf: torch.nn.Module) -> tuple[LlamaModel, PagedKVPool]:
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    model = LlamaModel(cfg, hf.state_dict())
+    pool = PagedKVPool(num_layers=cfg.num_layers, num_pages=64, page_size=4,
+                       kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=torch.float32)
+    return model, pool
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
+def test_chunked_batched_forward_matches_transformers_logits(kind: str) -> None:
+    hf = hf_model(kind)
+    model, pool = ours(hf)
+    cfg = model.config
+    if kind == "qwen2":
+        assert cfg.attention_bias and cfg.tie_word_embeddings
+    attn = make_backend("torch", pool, num_heads=cfg.num_heads, scale=cfg.head_dim**-0.5)
+    ids = torch.randint(0, 300, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits  # [2, 23, V]
+    a, b = list(range(6)), list(range(6, 12))  # pages of sequence 0 and 1
+    # step 1: first 10 tokens of seq 0, all 23 of seq 1
+    batch = AttentionBatch(q_lens=[10, 23], kv_lens=[10, 23], page_tables=[a[:3], b], num_decode=0)
+    out = model.forward(torch.cat([ids[0, :10], ids[1]]), torch.cat([torch.arange(10), torch.arange(23)]),
+                        attn, attn.plan(batch), torch.arange(33))
+    torch.testing.assert_close(out[:10], ref[0, :10], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[10:], ref[1], rtol=1e-4, atol=1e-4)
+    # step 2: one decode-like token (seq 0, pos 10) and a chunk after a cached prefix (pos 11..22)
+    batch = AttentionBatch(q_lens=[1], kv_lens=[11], page_tables=[a[:3]], num_decode=1)
+    out = model.forward(ids[0, 10:11], torch.tensor([10]), attn, attn.plan(batch), torch.arange(1))
+    torch.testing.assert_close(out[0], ref[0, 10], rtol=1e-4, atol=1e-4)
+    batch = AttentionBatch(q_lens=[12], kv_lens=[23], page_tables=[a], num_decode=0)
+    out = model.forward(ids[0, 11:], torch.arange(11, 23), attn, attn.plan(batch), torch.arange(12))
+    torch.testing.assert_close(out, ref[0, 11:], rtol=1e-4, atol=1e-4)
+
+
+def test_llama3_rope_scaling_changes_the_frequencies() -> None:
+    from runtime.model import rope_inv_freq
+
+    plain = ModelConfig.from_hf(hf_model("llama").config.to_dict())
+    scaled = ModelConfig.from_hf(hf_model("llama3").config.to_dict())
+    assert scaled.rope_scaling is not None
+    assert not torch.equal(rope_inv_freq(plain), rope_inv_freq(scaled))
+
+
+def test_random_weights_have_the_config_shapes() -> None:
+    cfg = ModelConfig.from_hf(hf_model("llama").config.to_dict())
+    model = LlamaModel(cfg, None, dtype=torch.bfloat16)
+    assert model.embed.shape == (300, 64) and model.embed.dtype == torch.bfloat16
+    assert model.layers[0]["qkv"].shape == ((4 + 2 * 2) * 16, 64)
+
+
+def test_backend_registry_knows_torch_and_rejects_unknown_names() -> None:
+    assert "torch" in available_backends()
+    pool = PagedKVPool(num_layers=1, num_pages=1, page_size=1, kv_heads=1, head_dim=1,
+                       dtype=torch.float32)
+    with pytest.raises(UnknownAttentionBackend):
+        make_backend("nope", pool, num_heads=1, scale=1.0)
+
+
+def test_cascade_over_shared_pages_equals_plain_decode_attention() -> None:
+    hf = hf_model("llama")
+    model, pool = ours(hf)
+    cfg = model.config
+    attn = make_backend("torch", pool, num_heads=cfg.num_heads, scale=cfg.head_dim**-0.5)
+    gen = torch.Generator().manual_seed(3)
+    pool.data.normal_(generator=gen)  # arbitrary cached K/V
+    # three decodes share pages 0-2; the third also shares page 3 with nobody; one stands alone
+    tables = [[0, 1, 2, 10, 11], [0, 1, 2, 12], [0, 1, 2, 3, 13], [20, 21]]
+    kv_lens = [19, 14, 20, 6]
+    batch = AttentionBatch(q_lens=[1] * 4, kv_lens=kv_lens, page_tables=tables, num_decode=4)
+    q = torch.randn(4, cfg.num_heads, cfg.head_dim, generator=gen)
+    k = torch.randn(4, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    v = torch.randn(4, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    plan = attn.plan(batch)
+    assert plan.shared is not None and plan.shared.seqs.tolist() == [0, 1, 2]
+    cascaded = attn.forward(0, q, k, v, plan)
+    attn.min_shared_pages = 10**9  # plain: every decode gathers its whole context
+    plain_plan = attn.plan(batch)
+    assert plain_plan.shared is None
+    plain = attn.forward(0, q, k, v, plain_plan)
+    torch.testing.assert_close(cascaded, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_length_buckets_equal_one_padded_batch() -> None:
+    hf = hf_model("llama")
+    model, pool = ours(hf)
+    cfg = model.config
+    attn = make_backend("torch", pool, num_heads=cfg.num_heads, scale=cfg.head_dim**-0.5)
+    gen = torch.Generator().manual_seed(4)
+    pool.data.normal_(generator=gen)
+    n = 40  # two buckets of 20, lengths 1..40 tokens
+    kv_lens = [1 + (7 * i) % 40 for i in range(n)]
+    tables = [list(range(i, i + -(-kl // 4))) for i, kl in enumerate(kv_lens)]  # overlap is fine
+    batch = AttentionBatch(q_lens=[1] * n, kv_lens=kv_lens, page_tables=tables, num_decode=n)
+    q = torch.randn(n, cfg.num_heads, cfg.head_dim, generator=gen)
+    k = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    v = torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    attn.min_shared_pages = 10**9
+    plan = attn.plan(batch)
+    assert len(plan.decode) == 2
+    bucketed = attn.forward(0, q, k, v, plan)
+    attn.decode_buckets = 1
+    single = attn.forward(0, q, k, v, attn.plan(batch))
+    torch.testing.assert_close(bucketed, single, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,81 @@
+"""Radix cache over token ids: page-granular matching, splitting, ref counts, LRU eviction."""
+
+from __future__ import annotations
+
+from runtime.radix_cache import RadixCache
+
+PS = 2
+
+
+def make_cache() -> tuple[RadixCache, list[int]]:
+    freed: list[int] = []
+    return RadixCache(PS, freed.extend), freed
+
+
+def test_match_returns_whole_pages_of_the_longest_cached_prefix() -> None:
+    cache, _ = make_cache()
+    cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
+    pages, _ = cache.match_prefix([1, 2, 3, 4, 9, 9, 9])
+    assert pages == [10, 11]
+    pages, _ = cache.match_prefix([1, 2, 3])  # the partial page does not count
+    assert pages == [10]
+    assert cache.match_prefix([7, 7])[0] == []
+
+
+def test_match_respects_max_pages() -> None:
+    cache, _ = make_cache()
+    cache.insert([1, 2, 3, 4], [10, 11])
+    assert cache.match_prefix([1, 2, 3, 4], max_pages=1)[0] == [10]
+
+
+def test_insert_reports_the_already_cached_pages() -> None:
+    cache, _ = make_cache()
+    assert cache.insert([1, 2, 3, 4], [10, 11])[0] == 0
+    n, _ = cache.insert([1, 2, 3, 4, 5, 6], [20, 21, 22])
+    assert n == 2  # the caller frees its duplicates 20, 21
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6])[0] == [10, 11, 22]
+    assert cache.total_pages == 3
+
+
+def test_diverging_insert_splits_a_node() -> None:
+    cache, _ = make_cache()
+    cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
+    cache.insert([1, 2, 7, 8], [10, 30])
+    assert cache.match_prefix([1, 2, 7, 8])[0] == [10, 30]
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6])[0] == [10, 11, 12]
+    assert len(cache.nodes()) == 3
+
+
+def test_locked_pages_are_not_evicted_and_unlocked_leaves_go_oldest_first() -> None:
+    cache, freed = make_cache()
+    cache.insert([1, 1, 1, 1], [10, 11])
+    cache.insert([2, 2], [20])
+    cache.insert([3, 3], [30])
+    _, node = cache.match_prefix([1, 1, 1, 1])  # touch: 1-branch is now the newest
+    cache.lock(node)
+    assert cache.evictable_pages == 2
+    assert cache.evict(1) == 1 and freed == [20]
+    assert cache.evict(10) == 1 and freed == [20, 30]
+    assert cache.match_prefix([1, 1, 1, 1])[0] == [10, 11]
+    cache.unlock(node)
+    assert cache.evictable_pages == 2
+    assert cache.evict(10) == 2 and sorted(freed) == [10, 11, 20, 30]
+    assert cache.total_pages == 0 and cache.nodes() == []
+
+
+def test_evicting_a_leaf_makes_its_parent_evictable() -> None:
+    cache, freed = make_cache()
+    cache.insert([1, 1, 2, 2], [10, 11])
+    cache.insert([1, 1, 3, 3], [10, 12])
+    assert cache.evict(3) == 3 and sorted(freed) == [10, 11, 12]
+
+
+def test_split_keeps_lock_counts_consistent() -> None:
+    cache, _ = make_cache()
+    cache.insert([1, 2, 3, 4], [10, 11])
+    _, node = cache.match_prefix([1, 2, 3, 4])
+    cache.lock(node)
+    _, upper = cache.match_prefix([1, 2, 9, 9])  # splits the locked node
+    assert upper.ref == 1 and cache.evictable_pages == 0
+    cache.unlock(node)
+    assert cache.evictable_pages == 2

@@ -1,0 +1,94 @@
+"""Sampler and stop rules: greedy, seeded sampling, top-k/top-p, penalties, logprobs, stops."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from runtime.sampler import Sampler, SamplingState, StopChecker
+from runtime.types import SamplingParams
+
+
+class WordTokenizer:
+    """Token i is the text "w{i} "."""
+
+    eos_token_ids = frozenset({0})
+    vocab_size = 50
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(w[1:]) for w in text.split()]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"w{i} " for i in ids)
+
+    def apply_chat_template(self, messages):
+        raise NotImplementedError
+
+    def token_text(self, token_id: int) -> str:
+        return f"w{token_id} "
+
+
+def states(*params: SamplingParams) -> list[SamplingState]:
+    return [SamplingState.create(p, 0, fallback_seed=123) for p in params]
+
+
+def test_greedy_rows_take_the_argmax() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    out = Sampler().sample(logits, states(*[SamplingParams(temperature=0)] * 3))
+    assert [t.token_id for t in out] == logits.argmax(-1).tolist()
+
+
+def test_same_seed_same_tokens_and_mixed_batches_work() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0)).repeat(2, 1)
+    p = SamplingParams(temperature=1.0, seed=7)
+    a = [Sampler().sample(logits[:1], s)[0].token_id for s in [states(p)] for _ in range(20)]
+    s2 = states(p)
+    b = [Sampler().sample(logits[1:], s2)[0].token_id for _ in range(20)]
+    assert a == b and len(set(a)) > 1
+    mixed = Sampler().sample(logits, states(SamplingParams(temperature=0), p))
+    assert mixed[0].token_id == int(logits[0].argmax())
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    out = Sampler().sample(logits, states(SamplingParams(temperature=1.0, top_k=1, seed=1),
+                                          SamplingParams(temperature=1.0, top_p=1e-6, seed=1)))
+    assert [t.token_id for t in out] == logits.argmax(-1).tolist()
+
+
+def test_frequency_penalty_moves_greedy_off_a_repeated_token() -> None:
+    logits = torch.zeros(1, 50)
+    logits[0, 5] = 1.0
+    logits[0, 6] = 0.9
+    st = states(SamplingParams(temperature=0, frequency_penalty=1.0))
+    assert Sampler().sample(logits, st)[0].token_id == 5
+    assert Sampler().sample(logits, st)[0].token_id == 6
+
+
+def test_logprobs_report_chosen_and_top_tokens() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(2))
+    out = Sampler().sample(logits, states(SamplingParams(temperature=0, logprobs=True, top_logprobs=3)))[0]
+    lp = logits.log_softmax(-1)[0]
+    assert abs(out.logprob - float(lp.max())) < 1e-5
+    assert [i for i, _ in out.top] == lp.topk(3).indices.tolist()
+
+
+def test_stop_string_is_cut_from_text_and_tokens() -> None:
+    stop = StopChecker(SamplingParams(max_tokens=10, stop=("w3 w4",)), WordTokenizer(), {0})
+    assert not any(stop.append(t) for t in (1, 2, 3))
+    assert stop.append(4)
+    ids, text, reason = stop.result()
+    assert (ids, text, reason) == ([1, 2], "w1 w2 ", "stop")
+
+
+def test_eos_stops_unless_ignored_and_max_tokens_gives_length() -> None:
+    stop = StopChecker(SamplingParams(max_tokens=5), WordTokenizer(), {0})
+    assert not stop.append(1) and stop.append(0)
+    assert stop.result() == ([1], "w1 ", "stop")
+    stop = StopChecker(SamplingParams(max_tokens=2, ignore_eos=True, stop_token_ids=(9,)),
+                       WordTokenizer(), {0})
+    assert not stop.append(0) and stop.append(0)
+    assert stop.result()[2] == "length"
+    stop = StopChecker(SamplingParams(max_tokens=5, stop_token_ids=(9,)), WordTokenizer(), {0})
+    assert stop.append(9) and stop.result()[0] == []
