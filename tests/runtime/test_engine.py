@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -12,29 +12,11 @@ from runtime.config import LoadedModel, ModelConfig
 from runtime.engine import Engine, EngineConfig
 from runtime.types import EngineRequest, RequestOutput, SamplingParams
 from scheduler.types import PlanRequest, StepBudget
+from tests.runtime.factories import WordTokenizer
 
 VOCAB = 300
 TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
-
-
-class WordTokenizer:
-    """Token i is the text "w{i} "; token 0 is EOS."""
-
-    eos_token_ids = frozenset({0})
-    vocab_size = VOCAB
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [int(w[1:]) for w in text.split()]
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f"w{i} " for i in ids)
-
-    def apply_chat_template(self, messages):
-        raise NotImplementedError
-
-    def token_text(self, token_id: int) -> str:
-        return f"w{token_id} "
 
 
 class AdmitAll:
@@ -69,7 +51,7 @@ def tiny_hf(**overrides: object) -> LlamaForCausalLM:
 def tiny_model(hf: torch.nn.Module | None = None) -> LoadedModel:
     hf = hf if hf is not None else tiny_hf()
     cfg = ModelConfig.from_hf({**hf.config.to_dict(), "eos_token_id": None})
-    return LoadedModel("tiny", cfg, WordTokenizer(), dict(hf.state_dict()))
+    return LoadedModel("tiny", cfg, WordTokenizer(VOCAB), dict(hf.state_dict()))
 
 
 def make_engine(model: LoadedModel | None = None, *, pages: int = 256, page_size: int = 4,

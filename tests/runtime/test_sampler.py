@@ -2,31 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from runtime.sampler import Sampler, SamplingState, StopChecker
 from runtime.types import SamplingParams
-
-
-class WordTokenizer:
-    """Token i is the text "w{i} "."""
-
-    eos_token_ids = frozenset({0})
-    vocab_size = 50
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [int(w[1:]) for w in text.split()]
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f"w{i} " for i in ids)
-
-    def apply_chat_template(self, messages):
-        raise NotImplementedError
-
-    def token_text(self, token_id: int) -> str:
-        return f"w{token_id} "
+from tests.runtime.factories import WordTokenizer
 
 
 def states(*params: SamplingParams) -> list[SamplingState]:
@@ -75,7 +55,7 @@ def test_logprobs_report_chosen_and_top_tokens() -> None:
 
 
 def test_stop_string_is_cut_from_text_and_tokens() -> None:
-    stop = StopChecker(SamplingParams(max_tokens=10, stop=("w3 w4",)), WordTokenizer(), {0})
+    stop = StopChecker(SamplingParams(max_tokens=10, stop=("w3 w4",)), WordTokenizer(50), {0})
     assert not any(stop.append(t) for t in (1, 2, 3))
     assert stop.append(4)
     ids, text, reason = stop.result()
@@ -83,12 +63,12 @@ def test_stop_string_is_cut_from_text_and_tokens() -> None:
 
 
 def test_eos_stops_unless_ignored_and_max_tokens_gives_length() -> None:
-    stop = StopChecker(SamplingParams(max_tokens=5), WordTokenizer(), {0})
+    stop = StopChecker(SamplingParams(max_tokens=5), WordTokenizer(50), {0})
     assert not stop.append(1) and stop.append(0)
     assert stop.result() == ([1], "w1 ", "stop")
     stop = StopChecker(SamplingParams(max_tokens=2, ignore_eos=True, stop_token_ids=(9,)),
-                       WordTokenizer(), {0})
+                       WordTokenizer(50), {0})
     assert not stop.append(0) and stop.append(0)
     assert stop.result()[2] == "length"
-    stop = StopChecker(SamplingParams(max_tokens=5, stop_token_ids=(9,)), WordTokenizer(), {0})
+    stop = StopChecker(SamplingParams(max_tokens=5, stop_token_ids=(9,)), WordTokenizer(50), {0})
     assert stop.append(9) and stop.result()[0] == []
