@@ -128,7 +128,11 @@ class TorchAttention(AttentionBackend):
             if n:
                 groups.setdefault((tables[i][0], n), []).append(i)
         members = max(len(m) for m in groups.values())
-        q_idx, seqs, rows, ptabs, plens = [], [], [], [], []
+        q_idx: list[int] = []
+        seqs: list[int] = []
+        rows: list[int] = []
+        ptabs: list[Sequence[int]] = []
+        plens: list[int] = []
         for gi, ((_, n), idxs) in enumerate(groups.items()):
             q_idx.extend(idxs + [idxs[0]] * (members - len(idxs)))
             seqs.extend(idxs)
@@ -246,6 +250,7 @@ class TorchAttention(AttentionBackend):
         # stack the members' queries: [G*m, kvh, g, hd] -> [G, kvh, m*g, hd]
         qs = qd.index_select(0, sh.q_idx).view(gn, m, kvh, g, hd).permute(0, 2, 1, 3, 4)
         po, plse = self._attend(qs.reshape(gn, kvh, m * g, hd), sh.dense, k_flat, v_flat)
+        assert plse is not None, "cascade is planned only where the kernel returns log-sum-exp"
         po = po.view(gn, kvh, m, g, hd).permute(0, 2, 1, 3, 4).reshape(gn * m, kvh, g, hd)
         plse = plse.view(gn, kvh, m, g).permute(0, 2, 1, 3).reshape(gn * m, kvh, g)
         a, la = po.index_select(0, sh.rows).float(), plse.index_select(0, sh.rows).float()
