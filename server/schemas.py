@@ -3,7 +3,7 @@ file_object.py, batch_usage.py, …) so the official SDK parses every answer unc
 
 from __future__ import annotations
 
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, Self, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -91,6 +91,16 @@ class ListPage(BaseModel, Generic[T]):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+    @classmethod
+    def of(cls, data: list[Any], has_more: bool) -> Self:
+        """The page holding `data`, its cursor ids taken from its ends."""
+        return cls(
+            data=data,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+            has_more=has_more,
+        )
 
 
 class FileList(ListPage[FileObject]):

@@ -219,13 +219,7 @@ def list_batches(
 ) -> BatchList:
     """This project's batches, newest first."""
     rows, has_more = page(session, BatchRow, project, after=after, limit=limit, order="desc")
-    data = [Batch.from_row(r) for r in rows]
-    return BatchList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=has_more,
-    )
+    return BatchList.of([Batch.from_row(r) for r in rows], has_more)
 
 
 @router.get("/{batch_id}", response_model=Batch, responses=_ERRORS)

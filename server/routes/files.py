@@ -187,13 +187,7 @@ def list_files(
     rows, has_more = page(
         session, FileRow, project, *filters, after=after, limit=limit, order=order
     )
-    data = [FileObject.from_row(r) for r in rows]
-    return FileList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=has_more,
-    )
+    return FileList.of([FileObject.from_row(r) for r in rows], has_more)
 
 
 @router.get("/{file_id}", response_model=FileObject, responses=_ERRORS)
