@@ -39,6 +39,7 @@ class Server:
             BLENDSERVE_DATA_DIR=str(data_dir),
             BLENDSERVE_PORT=str(port),
             BLENDSERVE_POLICY="fcfs",
+            BLENDSERVE_PROFILE="none",  # no device measurement in a test's fresh data dir
             BLENDSERVE_KV_MEMORY_BYTES=str(8 << 20),  # ~7 requests at a time: several waves
             BLENDSERVE_WORKER_POLL_SECONDS="0.1",
             OMP_NUM_THREADS="2",
