@@ -363,6 +363,9 @@ class BlendPolicy:
         # Keep a margin for the compute side: memory-side requests overrun their estimates, and
         # a compute side shut out of KV leaves steps memory-bound.
         m_right = min(split.mem_right, RIGHT_MAX_SHARE * capacity) if split is not None else 0.0
+        # What the executor really has free (estimates run short on long tails) must keep the
+        # compute side's share, or prefill stalls and steps go memory-bound.
+        keep_free = (1.0 - RIGHT_MAX_SHARE) * capacity
         while self._left < self._right:
             pos = self._right - 1
             computed, d, p = (
@@ -376,7 +379,7 @@ class BlendPolicy:
                 self._used[RIGHT] + need > m_right
                 or used_total + need > capacity
                 or self._avg_read + p + d / 2.0 > read_budget
-                or computed > free
+                or computed + keep_free > free
             ):
                 break
             self._right -= 1
