@@ -13,18 +13,26 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from runtime.attention import AttentionBatch, make_backend
 from runtime.config import LoadedModel, ModelConfig
 from runtime.errors import EngineFatalError
+from runtime.grammar import Grammars
 from runtime.kv_cache import PagedKVPool, default_kv_memory_bytes
 from runtime.model import LlamaModel
 from runtime.radix_cache import RadixCache, RadixNode
 from runtime.sampler import Sampler, SamplingState, StopChecker
-from runtime.types import (Choice, EngineRequest, RequestError, RequestOutput, StepRecord,
-                           TokenLogprob)
+from runtime.types import (
+    Choice,
+    EngineRequest,
+    RequestError,
+    RequestOutput,
+    StepRecord,
+    TokenLogprob,
+)
 from scheduler.cost_model import CostModel
 from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
 
@@ -100,6 +108,7 @@ class _Seq:
     node: RadixNode | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     order: int = 0  # admission order, newest is preempted first
+    grammar: Any = None  # xgrammar matcher of a constrained choice (response_format), else None
 
     @property
     def generated(self) -> int:
@@ -136,6 +145,8 @@ class Engine:
         self.last_policy: AdmissionPolicy | None = None  # the policy of the latest generate()
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_ids)
+        self._grammar_s = 0.0  # grammar time of the step being applied
         self._stats = EngineStats()
         self.step_log: list[StepRecord] = []  # the steps of the current (or last) generate()
         self._order = itertools.count()
@@ -178,7 +189,20 @@ class Engine:
                 "context_length_exceeded")
         if any(not 0 <= t < self.vocab_size for t in req.prompt_token_ids):
             return RequestError("The prompt contains a token id outside the vocabulary.", "prompt")
+        if req.params.response_format is not None:
+            return self.grammars.check(req.params.response_format)
         return None
+
+    def plan_request(self, req: EngineRequest) -> PlanRequest:
+        """The request as the planner sees it: an exact length (ignore_eos, no other stop), or
+        for a structured output its schema's prior and its own length group."""
+        sp, fmt = req.params, req.params.response_format
+        if fmt is not None:  # a finished grammar ends it early, ignore_eos or not
+            return PlanRequest(req.id, req.prompt_token_ids, sp.max_tokens,
+                               output_prior=self.grammars.prior(fmt), length_group=fmt.key)
+        exact = sp.ignore_eos and not sp.stop and not sp.stop_token_ids
+        return PlanRequest(req.id, req.prompt_token_ids, sp.max_tokens,
+                           sp.max_tokens if exact else None)
 
     # ---- the run ----------------------------------------------------------------------------
     def generate(
@@ -199,10 +223,7 @@ class Engine:
                     done.append(RequestOutput(req.id, len(req.prompt_token_ids), 0, error=err))
                     continue
                 known[req.id] = req
-                sp = req.params
-                exact = sp.ignore_eos and not sp.stop and not sp.stop_token_ids
-                yield PlanRequest(req.id, req.prompt_token_ids, sp.max_tokens,
-                                  sp.max_tokens if exact else None)
+                yield self.plan_request(req)
 
         self.step_log = []
         if isinstance(policy, str):
@@ -265,10 +286,12 @@ class Engine:
 
     def _new_seq(self, group: _Group, index: int, forks: int = 0) -> _Seq:
         p = group.req.params
+        fmt = p.response_format
         return _Seq(group, index, list(group.req.prompt_token_ids),
                     SamplingState.create(p, index, next(self._seed)),
                     StopChecker(p, self.tokenizer, self.eos_ids), forks_left=forks,
-                    order=next(self._order))
+                    order=next(self._order),
+                    grammar=None if fmt is None else self.grammars.matcher(fmt))
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self, pol: AdmissionPolicy, waiting: deque[_Seq], running: list[_Seq]) -> list[RequestOutput]:
@@ -282,7 +305,8 @@ class Engine:
         logits = self._run(batch)
         # 3. apply: advance computed counts, cache finished prompts, sample, finish choices
         outputs = self._apply(pol, batch, logits, waiting, running)
-        self.step_log.append(StepRecord(*shape, seconds=time.perf_counter() - started))
+        self.step_log.append(StepRecord(*shape, seconds=time.perf_counter() - started,
+                                        grammar_seconds=self._grammar_s))
         return outputs
 
     def _schedule(self, pol: AdmissionPolicy, waiting: deque[_Seq],
@@ -443,18 +467,36 @@ class Engine:
                 s.forks_left -= 1
         outputs = []
         tok = self.tokenizer
+        # constrained choices: mask what their grammar forbids (logprobs are of what is left)
+        self._grammar_s, t0 = 0.0, time.perf_counter()
+        rows = [i for i, s in enumerate(sample) if s.grammar is not None]
+        if rows:
+            self.grammars.constrain(logits, rows, [sample[i].grammar for i in rows])
+            self._grammar_s += time.perf_counter() - t0
         for s, st in zip(sample, self.sampler.sample(logits, [s.sampling for s in sample])):
             if st.logprob is not None:
                 s.logprobs.append(TokenLogprob(st.token_id, tok.token_text(st.token_id), st.logprob,
                                                tuple((i, tok.token_text(i), lp) for i, lp in st.top)))
             s.tokens.append(st.token_id)
-            if s.stop.append(st.token_id):
+            finished = s.stop.append(st.token_id)
+            if s.grammar is not None and s.stop.finish != "stop" and self._grammar_done(s):
+                finished = True  # the output is complete (also when it just reached max_tokens)
+            if finished:
                 out = self._finish(pol, s, running)
                 if out is not None:
                     outputs.append(out)
             elif s.generated % PROGRESS_EVERY == 0:
                 pol.on_progress(s.group.req.id, s.generated)
         return outputs
+
+    def _grammar_done(self, s: _Seq) -> bool:
+        """Advance the choice's grammar by its newest token; a finished grammar ends it."""
+        t0 = time.perf_counter()
+        done, was_stop = self.grammars.advance(s.grammar, s.tokens[-1])
+        if done:
+            s.stop.end(drop_last=was_stop)
+        self._grammar_s += time.perf_counter() - t0
+        return done
 
     def _finish(self, pol: AdmissionPolicy, s: _Seq, running: list[_Seq]) -> RequestOutput | None:
         self._cache_prefix(s)

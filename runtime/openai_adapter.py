@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from runtime.config import Tokenizer
+from runtime.response_format import FormatError, parse_response_format
 from runtime.types import Choice, EngineRequest, RequestError, RequestOutput, SamplingParams
 
 CHAT = "/v1/chat/completions"
@@ -39,7 +40,8 @@ _CHAT = _COMMON | {
     "tool_choice", "functions", "function_call", "reasoning_effort", "modalities", "audio",
     "prediction", "web_search_options",
 }
-_COMPLETIONS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+_COMPLETIONS = _COMMON | {"prompt", "echo", "suffix", "best_of",
+                          "response_format"}  # an extension: structured output for completions
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
@@ -81,9 +83,15 @@ def to_engine_request(
             ids = _chat_prompt(body, tokenizer)
         else:
             ids = _completion_prompt(body, tokenizer)
+        if body.get("response_format") is not None:
+            text = _user_text(body, chat, tokenizer, ids)
+            params = replace(params, response_format=parse_response_format(
+                body["response_format"], text))
         return EngineRequest(request_id, ids, _fit_context(params, body, chat, len(ids),
                                                            max_model_len))
     except _Invalid as exc:
+        return exc.error
+    except FormatError as exc:
         return exc.error
 
 
@@ -114,7 +122,7 @@ _OFF: dict[str, tuple[Any, ...]] = {
 }
 _CHAT_OFF: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "function_call": (None, "none"),
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,),
 }
@@ -291,6 +299,16 @@ def _message(i: int, message: Any) -> dict[str, str]:
                        "content parts.", f"{where}.content", "invalid_type")
     # Most chat templates know only "system"; OpenAI's "developer" role means the same here.
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _user_text(body: Mapping[str, Any], chat: bool, tokenizer: Tokenizer, ids: list[int]) -> str:
+    """What the client wrote (message contents, or the prompt), without any chat template."""
+    if chat:
+        return "\n".join(_message(i, m)["content"] for i, m in enumerate(body["messages"]))
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
 
 
 def _completion_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:

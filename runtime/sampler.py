@@ -8,6 +8,7 @@ finish rules (EOS, stop ids, stop strings via incremental detokenization, max_to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -107,8 +108,9 @@ class Sampler:
             for j, i in enumerate(want):
                 k = states[i].params.top_logprobs
                 top: tuple[tuple[int, float], ...] = ()
-                if k and top_v is not None and top_i is not None:
-                    top = tuple(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))
+                if k and top_v is not None and top_i is not None:  # masked tokens (-inf) are no
+                    top = tuple((t, v) for t, v in zip(top_i[j, :k].tolist(),  # alternative
+                                                       top_v[j, :k].tolist()) if v != -math.inf)
                 out[i] = SampledToken(tokens[i], chosen[j], top)
         for st, t in zip(states, tokens):
             st.record(t)
@@ -148,6 +150,12 @@ class StopChecker:
             self.finish = "length"
             return True
         return False
+
+    def end(self, *, drop_last: bool) -> None:
+        """The choice's grammar is complete: finish with "stop" (dropping the stop token that
+        completed it, when one did), whatever the other rules say."""
+        self.finish, self.stop_at = "stop", None
+        self.keep_tokens = len(self.tokens) - 1 if drop_last else None
 
     def _match_stop(self) -> bool:
         before = len(self.text)

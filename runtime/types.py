@@ -10,6 +10,22 @@ FinishReason = Literal["stop", "length"]
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """A structured-output constraint (OpenAI `response_format`), already validated
+    (runtime/response_format.py); `text` is no constraint and never becomes one of these."""
+
+    type: Literal["json_object", "json_schema"]
+    schema: str | None = None  # json_schema: the schema as compact JSON text, property order kept
+    name: str = ""  # json_schema.name
+    strict: bool = False  # json_schema.strict: every keyword is enforced (checked up front)
+
+    @property
+    def key(self) -> str:
+        """What compiles to one grammar: requests with equal keys share it."""
+        return self.schema if self.schema is not None else self.type
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request decoding settings, already validated (see runtime/openai_adapter.py)."""
 
@@ -26,6 +42,7 @@ class SamplingParams:
     top_logprobs: int = 0  # 0..20, needs logprobs
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    response_format: ResponseFormat | None = None  # None: free text
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +102,4 @@ class StepRecord:
     kv_read: int  # KV tokens the decodes attended to
     decodes: int  # decoding sequences
     seconds: float  # wall time of the step (schedule + model + sampling + bookkeeping)
+    grammar_seconds: float = 0.0  # of which: building, applying and advancing grammar masks

@@ -31,10 +31,10 @@ import numpy as np
 from scheduler.cost_model import CostModel
 from scheduler.errors import PlanningError
 from scheduler.estimate import (
-    DEFAULT_PRIOR,
     corrected_estimate,
-    estimate_output_lengths,
+    estimate_grouped,
     length_dispersion,
+    length_groups,
     overrun_factor,
 )
 from scheduler.prefix_tree import PrefixTree
@@ -137,9 +137,11 @@ class BlendPolicy:
             [-1 if r.known_output_len is None else r.known_output_len for r in self._reqs],
             dtype=np.int64,
         )
-        self._est = prior_lengths(self._max_tokens, self._known)
+        self._priors, self._groups = length_groups(self._reqs)  # structured outputs apart
+        self._est = prior_lengths(self._max_tokens, self._known, self._priors)
         warm = plan_warmup(tree, self._max_tokens, self._known, rate=sample_rate, seed=seed,
-                           step_tokens=self._step_tokens)
+                           step_tokens=self._step_tokens, priors=self._priors,
+                           groups=self._groups)
         self._samples = [int(i) for i in warm.samples]
         self._filler = [int(i) for i in warm.filler]
         self.deadline_steps = warm.deadline_steps  # plan by then, samples finished or not
@@ -189,9 +191,8 @@ class BlendPolicy:
         self._learned = 0
         idx = np.array(sorted(lens_of), dtype=np.int64)
         lens = np.array([lens_of[i] for i in idx], dtype=np.float64)
-        self._est = estimate_output_lengths(
-            self._tree, self._max_tokens, self._known, idx, lens, prior=DEFAULT_PRIOR
-        )
+        self._est = estimate_grouped(self._tree, self._max_tokens, self._known, idx, lens,
+                                     priors=self._priors, groups=self._groups)
         for i, row in self._run.items():  # running requests keep their own (larger) figure
             self._est[i] = max(self._est[i], row[3])
         exclude = self._started.copy()

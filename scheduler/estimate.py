@@ -10,10 +10,12 @@ every large subtree; subtrees the stride skips get one extra sample each, up to 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from scheduler.prefix_tree import PrefixTree
+from scheduler.types import PlanRequest
 
 DEFAULT_PRIOR = 256  # tokens, when nothing has been sampled
 DEFAULT_CAP = 4096  # most warm-up samples
@@ -66,7 +68,7 @@ def estimate_output_lengths(
     sampled: np.ndarray,
     sampled_lens: np.ndarray,
     *,
-    prior: int = DEFAULT_PRIOR,
+    prior: float | np.ndarray = DEFAULT_PRIOR,
 ) -> np.ndarray:
     """[requests] estimated output length (float), known lengths as-is, capped by max_tokens.
 
@@ -83,7 +85,7 @@ def estimate_output_lengths(
     per_req_cnt[sampled] = 1.0
     cnt = tree.leaf_prefix_sum(per_req_cnt)
     tot = tree.leaf_prefix_sum(per_req_len)
-    est = np.full(n, float(prior))
+    est = np.broadcast_to(np.asarray(prior, dtype=np.float64), (n,)).copy()
     if len(sampled):
         # Climb from every leaf's parent until a node below the root holds a sample.
         node = tree.parent[tree.leaf_node]
@@ -101,6 +103,73 @@ def estimate_output_lengths(
     est = np.minimum(est, np.asarray(max_tokens, dtype=np.float64))
     est[known] = np.asarray(known_lens, dtype=np.float64)[known]
     return np.maximum(est, 1.0)
+
+
+def length_groups(requests: Sequence[PlanRequest]) -> tuple[np.ndarray, np.ndarray]:
+    """([requests] prior output length, [requests] length group id, -1 = free text).
+
+    A structured output (PlanRequest.length_group set) is bounded by its format, not by what
+    free text nearby in the prefix tree produces: it keeps its own prior and is estimated from
+    samples of its own group only (`estimate_grouped`)."""
+    ids: dict[str, int] = {}
+    groups = np.array([-1 if r.length_group is None else ids.setdefault(r.length_group, len(ids))
+                       for r in requests], dtype=np.int64)
+    priors = np.array([DEFAULT_PRIOR if r.output_prior is None else float(r.output_prior)
+                       for r in requests], dtype=np.float64)
+    return priors, groups
+
+
+def add_group_samples(
+    samples: np.ndarray, groups: np.ndarray, known: np.ndarray, *,
+    min_large: int = DEFAULT_MIN_LARGE, cap: int = DEFAULT_CAP,
+) -> np.ndarray:
+    """`samples` plus one request (the middle one) of every length group with at least
+    `min_large` unknown-length requests and no sample yet, within `cap` samples in all."""
+    samples = np.asarray(samples, dtype=np.int64)
+    groups = np.asarray(groups)
+    if not (groups >= 0).any():
+        return samples
+    have = set(groups[samples].tolist())
+    extra: list[int] = []
+    unknown = np.asarray(known) < 0
+    for g in range(int(groups.max()) + 1):
+        members = np.flatnonzero((groups == g) & unknown)
+        if g not in have and len(members) >= min_large and len(samples) + len(extra) < cap:
+            extra.append(int(members[len(members) // 2]))
+    return np.sort(np.concatenate((samples, np.array(extra, dtype=np.int64))))
+
+
+def estimate_grouped(
+    tree: PrefixTree,
+    max_tokens: np.ndarray,
+    known_lens: np.ndarray,
+    sampled: np.ndarray,
+    sampled_lens: np.ndarray,
+    *,
+    priors: np.ndarray,
+    groups: np.ndarray,
+) -> np.ndarray:
+    """estimate_output_lengths with length groups (see `length_groups`): free text (group -1)
+    from free-text samples through the prefix tree; a group's requests from the mean of that
+    group's samples, else their own prior; every estimate capped by max_tokens."""
+    sampled = np.asarray(sampled, dtype=np.int64)
+    s_lens = np.asarray(sampled_lens, dtype=np.float64)
+    groups = np.asarray(groups)
+    free = groups[sampled] < 0
+    est = estimate_output_lengths(tree, max_tokens, known_lens, sampled[free], s_lens[free],
+                                  prior=priors)
+    grouped = np.flatnonzero(groups >= 0)
+    if len(grouped) == 0:
+        return est
+    g_s, g_lens = groups[sampled[~free]], s_lens[~free]
+    count = np.bincount(g_s, minlength=int(groups.max()) + 1)
+    total = np.bincount(g_s, weights=g_lens, minlength=len(count))
+    g = groups[grouped]
+    guess = np.where(count[g] > 0, total[g] / np.maximum(count[g], 1), priors[grouped])
+    est[grouped] = np.maximum(np.minimum(guess, np.asarray(max_tokens, dtype=np.float64)[grouped]),
+                              1.0)
+    est[sampled[~free]] = g_lens
+    return est
 
 
 def _nearest_by_length(

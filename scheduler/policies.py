@@ -20,21 +20,23 @@ DEFAULT_PRIOR_OUTPUT_LEN = 256  # output-length guess before any request has fin
 
 
 class OutputLenGuess:
-    """An online output-length guess for policies that do not sample: the mean of finished lengths."""
+    """An online output-length guess for policies that do not sample: the mean of finished lengths
+    of the request's length group (free text, or one structured-output format), else its prior."""
 
     def __init__(self, prior: int = DEFAULT_PRIOR_OUTPUT_LEN) -> None:
-        self._total = 0
-        self._count = 0
+        self._seen: dict[str | None, tuple[int, int]] = {}  # length group -> (total, count)
         self._prior = prior
 
-    def observe(self, output_len: int) -> None:
-        self._total += output_len
-        self._count += 1
+    def observe(self, output_len: int, group: str | None = None) -> None:
+        total, count = self._seen.get(group, (0, 0))
+        self._seen[group] = (total + output_len, count + 1)
 
     def guess(self, request: PlanRequest) -> int:
         if request.known_output_len is not None:
             return request.known_output_len
-        mean = self._total / self._count if self._count else self._prior
+        total, count = self._seen.get(request.length_group, (0, 0))
+        prior = self._prior if request.output_prior is None else request.output_prior
+        mean = total / count if count else prior
         return max(1, min(request.max_tokens, round(mean)))
 
 
@@ -57,6 +59,7 @@ class OrderedPolicy:
         self._next: PlanRequest | None = None
         self._exhausted = False
         self._reserved: dict[str, float] = {}
+        self._groups: dict[str, str] = {}  # running request -> its length group, when it has one
         self._reserved_total = 0.0
         self._guess = OutputLenGuess()
         self._advance()
@@ -84,6 +87,8 @@ class OrderedPolicy:
             out.append(req)
             free_now -= req.prompt_len
             self._reserved[req.id] = need
+            if req.length_group is not None:
+                self._groups[req.id] = req.length_group
             self._reserved_total += need
             self._advance()
         return out
@@ -92,7 +97,7 @@ class OrderedPolicy:
         return None
 
     def on_finish(self, request_id: str, output_len: int) -> None:
-        self._guess.observe(output_len)
+        self._guess.observe(output_len, self._groups.pop(request_id, None))
         need = self._reserved.pop(request_id, None)
         if need is not None:
             self._reserved_total -= need

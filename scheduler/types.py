@@ -19,6 +19,11 @@ class PlanRequest:
     prompt_token_ids: Sequence[int]  # chat template already applied
     max_tokens: int  # output cap, >= 1
     known_output_len: int | None = None  # exact output length when known (ignore_eos); else None
+    # Structured output: its format bounds the output, so it gets its own prior (tokens, before
+    # any sample; None = the global prior) and is estimated only from requests of its own
+    # length group (same format key); None = free text.
+    output_prior: float | None = None
+    length_group: str | None = None
 
     @property
     def prompt_len(self) -> int:

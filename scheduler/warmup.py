@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.estimate import DEFAULT_PRIOR, select_warmup_samples
+from scheduler.estimate import DEFAULT_PRIOR, add_group_samples, select_warmup_samples
 from scheduler.prefix_tree import PrefixTree
 
 WARMUP_SHARE = 0.05  # the warm-up may take at most this share of the batch's predicted steps
@@ -33,9 +33,12 @@ class Warmup:
     predicted_steps: float  # the batch's predicted steps from max_tokens and the prior
 
 
-def prior_lengths(max_tokens: np.ndarray, known: np.ndarray, prior: int = DEFAULT_PRIOR) -> np.ndarray:
-    """[requests] output length to expect before sampling: known, else min(max_tokens, prior)."""
-    guess = np.minimum(np.asarray(max_tokens, dtype=np.float64), float(prior))
+def prior_lengths(max_tokens: np.ndarray, known: np.ndarray,
+                  prior: float | np.ndarray = DEFAULT_PRIOR) -> np.ndarray:
+    """[requests] output length to expect before sampling: known, else min(max_tokens, prior)
+    (`prior` one for all, or one per request)."""
+    guess = np.minimum(np.asarray(max_tokens, dtype=np.float64),
+                       np.asarray(prior, dtype=np.float64))
     return np.where(np.asarray(known) >= 0, np.asarray(known, dtype=np.float64), guess)
 
 
@@ -55,15 +58,20 @@ def plan_warmup(
     rate: float,
     seed: int,
     step_tokens: int,
+    priors: float | np.ndarray = DEFAULT_PRIOR,
+    groups: np.ndarray | None = None,
 ) -> Warmup:
     """Choose the sample (estimate.select_warmup_samples), the filler order and the deadline.
 
-    `known[i]` >= 0 is request i's exact output length; < 0 unknown."""
+    `known[i]` >= 0 is request i's exact output length; < 0 unknown. `priors` and `groups` are
+    estimate.length_groups' (a length group without a sample gets one)."""
     known = np.asarray(known)
-    prior = prior_lengths(max_tokens, known)
+    prior = prior_lengths(max_tokens, known, priors)
     steps = predicted_steps(tree, prior, step_tokens)
     deadline = max(1, math.ceil(WARMUP_SHARE * steps))
     samples = select_warmup_samples(tree, known >= 0, rate=rate, seed=seed)
+    if groups is not None and rate > 0:
+        samples = add_group_samples(samples, groups, known)
     if len(samples) and steps < 2 * float(np.median(prior[samples])):
         samples = samples[:0]  # the batch ends about when a typical sample would: no gain
     chosen = np.zeros(tree.num_requests, dtype=bool)

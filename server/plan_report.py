@@ -98,14 +98,10 @@ def _simulate(engine: Engine, policy: str,
     """The simulator's makespan for this batch with its true output lengths."""
     from scheduler.policies import make_policy
     from scheduler.simulate import SimConfig, TraceEntry, simulate
-    from scheduler.types import PlanRequest
 
     entries = []
     for req, out in ok:
-        sp = req.params
-        exact = sp.ignore_eos and not sp.stop and not sp.stop_token_ids
-        plan = PlanRequest(req.id, req.prompt_token_ids, sp.max_tokens,
-                           sp.max_tokens if exact else None)
+        plan = engine.plan_request(req)
         longest = max((len(c.token_ids) for c in out.choices), default=1)
         entries.append(TraceEntry(plan, max(longest, 1)))
     cap, step = engine.kv_capacity_tokens, engine.config.max_batch_tokens
