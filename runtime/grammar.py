@@ -30,6 +30,8 @@ log = logging.getLogger("blendserve.grammar")
 
 MAX_GRAMMARS = 256  # compiled grammars kept; more distinct formats than this recompile
 _OBJECT = '{"type":"object"}'  # json_object: any JSON object
+_LOOSE_CHARS = r'[^\"\\\r\n]'  # xgrammar's length-bounded string characters (see _json_grammar)
+_JSON_CHARS = r'[^\"\\\0-\x1f]'  # what a JSON string may hold unescaped
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[12:00:00] /path/file.cc:42: "
 
 
@@ -79,8 +81,7 @@ class Grammars:
             return got
         compiler = self._get_compiler()
         try:
-            got = compiler.compile_json_schema(fmt.schema or _OBJECT, any_whitespace=False,
-                                               strict_mode=True)
+            got = compiler.compile_grammar(_json_grammar(fmt.schema or _OBJECT))
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
             why = _CPP_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else
                                   type(exc).__name__)
@@ -145,6 +146,21 @@ class Grammars:
 
             self._mask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         return self._mask
+
+
+def _json_grammar(schema: str) -> Any:
+    """The schema's grammar: compact JSON (", " and ": "), no properties beyond the schema's.
+
+    xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as
+    [^"\\\r\n], which lets raw control characters (a tab, U+001E) into the string: invalid
+    JSON. They are excluded here as in its other string rules."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    text = str(grammar)
+    if _LOOSE_CHARS in text:
+        grammar = xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
+    return grammar
 
 
 def _tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop: list[int]) -> Any:

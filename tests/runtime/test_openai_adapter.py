@@ -368,3 +368,33 @@ def test_real_chat_template_and_context(default_model: LoadedModel) -> None:
     err = to_engine_request("2", COMPLETIONS, long_body, tok, served_model=MODEL,
                             max_model_len=context)
     assert refused(err, "prompt").code == "context_length_exceeded"
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_response_format_json_schema_reaches_the_sampling_params() -> None:
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    fmt = ok(chat(response_format=rf)).params.response_format
+    assert fmt is not None and fmt.type == "json_schema" and fmt.strict
+    assert ok(completion(response_format=rf)).params.response_format == fmt  # an extension
+
+
+def test_json_object_needs_json_in_what_the_client_wrote() -> None:
+    rf = {"type": "json_object"}
+    said = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "Hi"}]
+    assert ok(chat(messages=said, response_format=rf)).params.response_format is not None
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a json list"}]}]
+    assert ok(chat(messages=parts, response_format=rf)).params.response_format is not None
+    err = refused(chat(response_format=rf), "response_format")
+    assert "json" in err.message
+    assert ok(completion(prompt="Some JSON:", response_format=rf)).params.response_format
+    assert ok(completion(prompt=TOK.encode("json?"), response_format=rf)).params.response_format
+    refused(completion(prompt="Some YAML:", response_format=rf), "response_format")
+
+
+def test_unsupported_strict_keywords_are_refused_with_response_format() -> None:
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    err = refused(chat(response_format=rf), "response_format")
+    assert "uniqueItems" in err.message and err.status_code == 400

@@ -223,3 +223,32 @@ def test_sharing_is_kept_by_dfs_within_each_side():
     pol = _policy(reqs)
     assert pol.plan is not None and pol.plan.sharing_kept >= 0.99
     assert np.isclose(pol.plan.sharing_ratio, 1 - pol.plan.computed.sum() / pol.plan.prompt.sum())
+
+
+def test_blend_plans_structured_requests_from_their_own_samples():
+    from dataclasses import replace
+
+    reqs = _warm_batch(n=600)
+    reqs = [replace(r, length_group="schema", output_prior=12.0) if i % 3 == 0 else r
+            for i, r in enumerate(reqs)]
+    pol = _warm_policy(reqs)
+    samples = set(pol.warmup_request_ids)
+    grouped = {r.id for r in reqs if r.length_group is not None}
+    assert samples & grouped and samples - grouped  # both kinds are sampled
+    first = pol.admit(make_budget(200_000))
+    for r in first:
+        pol.on_finish(r.id, 9 if r.id in grouped else 30)
+    pol.admit(make_budget(200_000))
+    assert pol.plan is not None
+    out = {reqs[i].id: float(d) for i, d in zip(pol.plan.order, pol.plan.output)}
+    assert {out[i] for i in out if i in grouped} == {9.0}
+    assert {out[i] for i in out if i not in grouped} == {30.0}
+
+
+def test_blend_uses_a_schema_prior_before_any_sample():
+    from dataclasses import replace
+
+    reqs = [replace(make_request(50, prefix=[1] * 40, max_tokens=100), length_group="s",
+                    output_prior=17.0) for _ in range(300)]
+    pol = _policy(reqs, sample_rate=0.02)
+    assert pol.planned and (pol.plan.output == 17).all()

@@ -100,3 +100,50 @@ def test_spread_lengths_raise_dispersion_and_overrun_factor():
     lens = np.array([10.0, 10.0, 10.0, 100.0])
     assert length_dispersion(TREE, sampled, lens) > 1.5
     assert overrun_factor(TREE, sampled, lens) == 4.0  # 100 / 10, capped at 4
+
+
+def _grouped(groups_of: dict[int, str], priors_of: dict[int, float] | None = None):
+    from dataclasses import replace
+
+    from scheduler.estimate import length_groups
+    from scheduler.types import PlanRequest
+
+    reqs = [PlanRequest(f"r{i}", p, 10_000) for i, p in enumerate(PROMPTS)]
+    reqs = [replace(r, length_group=groups_of.get(i), output_prior=(priors_of or {}).get(i))
+            for i, r in enumerate(reqs)]
+    return length_groups(reqs)
+
+
+def test_length_groups_number_the_formats_and_keep_their_priors():
+    priors, groups = _grouped({5: "schema-a", 6: "schema-b", 7: "schema-a"}, {5: 40.0, 7: 40.0})
+    assert groups[5] == groups[7] == 0 and groups[6] == 1 and (np.delete(groups, [5, 6, 7]) < 0).all()
+    assert priors[5] == 40.0 and priors[6] == 256 and priors[0] == 256
+
+
+def test_structured_requests_are_estimated_apart_from_free_text_in_their_subtree():
+    from scheduler.estimate import estimate_grouped
+
+    # 0-49 free text, 50-99 one schema, all under the same prefix [1, 1, 1]
+    priors, groups = _grouped({i: "s" for i in range(50, 100)}, {i: 30.0 for i in range(50, 100)})
+    sampled, lens = np.array([0, 1, 60]), np.array([400.0, 600.0, 24.0])
+    est = estimate_grouped(TREE, CAPS, UNKNOWN, sampled, lens, priors=priors, groups=groups)
+    assert est[10] == 500.0  # free text: its free-text samples only
+    assert est[70] == 24.0  # the schema's own sample, not the 500 of its neighbours
+    no_sample = estimate_grouped(TREE, CAPS, UNKNOWN, sampled[:2], lens[:2], priors=priors,
+                                 groups=groups)
+    assert no_sample[70] == 30.0 and no_sample[10] == 500.0  # the schema's prior
+    capped = estimate_grouped(TREE, np.full(N, 20), UNKNOWN, sampled, lens, priors=priors,
+                              groups=groups)
+    assert capped[70] == 20.0
+
+
+def test_every_large_length_group_gets_a_warmup_sample():
+    from scheduler.estimate import add_group_samples
+
+    groups = np.full(N, -1)
+    groups[100:170] = 0  # 70 requests of one schema
+    groups[200:210] = 1  # too few to pay for a sample
+    picked = add_group_samples(np.array([3]), groups, UNKNOWN, min_large=64)
+    assert picked.tolist() == [3, 135]
+    assert add_group_samples(np.array([3, 120]), groups, UNKNOWN).tolist() == [3, 120]
+    assert add_group_samples(np.array([3]), groups, UNKNOWN, cap=1).tolist() == [3]

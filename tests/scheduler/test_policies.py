@@ -92,3 +92,16 @@ def test_withdraw_returns_exactly_the_requests_not_yet_admitted(name):
     for r in first:  # the admitted ones still finish normally
         policy.on_finish(r.id, 5)
     assert not policy.has_pending() and policy.admit(make_budget(1_000_000)) == []
+
+
+def test_ordered_policies_guess_structured_lengths_from_their_own_group():
+    from dataclasses import replace
+
+    from scheduler.policies import OutputLenGuess
+
+    guess = OutputLenGuess(prior=256)
+    free, shaped = make_request(10), replace(make_request(10), length_group="s", output_prior=20)
+    assert guess.guess(free) == 256 and guess.guess(shaped) == 20
+    guess.observe(100)
+    guess.observe(8, "s")
+    assert guess.guess(free) == 100 and guess.guess(shaped) == 8
