@@ -70,6 +70,8 @@ class Grammars:
             return None
         if fmt.key not in self._priors:
             text = typical_json(json.loads(fmt.schema))
+            if len(self._priors) >= 4 * MAX_GRAMMARS:  # bounded like the grammars themselves
+                self._priors.clear()
             self._priors[fmt.key] = len(self._tokenizer.encode(text, add_special_tokens=False)) + 1
         return self._priors[fmt.key]
 

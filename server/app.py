@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.config import Settings
 from server.db import make_engine, session_factory, upgrade
 from server.errors import install_error_handlers
+from server.line_schemas import line_schemas
 from server.routes import batches, files, models
 from server.routes.files import purge_expired_files
 from server.storage import FileStorage
@@ -89,6 +90,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 op["security"] = []
     for name in ("HTTPValidationError", "ValidationError"):
         components.get("schemas", {}).pop(name, None)
+    components.setdefault("schemas", {}).update(line_schemas())  # what a batch file holds
     app.openapi_schema = schema
     return schema
 
