@@ -72,8 +72,10 @@ def line_schemas() -> dict[str, Any]:
     """These models as OpenAPI component schemas (`#/components/schemas/<Name>` references)."""
     ref = "#/components/schemas/{model}"
     out: dict[str, Any] = {}
-    for name, model in (("ResponseFormat", ResponseFormat), ("BatchRequestInput", BatchRequestInput)):
-        schema = TypeAdapter(model).json_schema(ref_template=ref, by_alias=True)
+    adapters: dict[str, TypeAdapter[Any]] = {"ResponseFormat": TypeAdapter(ResponseFormat),
+                                             "BatchRequestInput": TypeAdapter(BatchRequestInput)}
+    for name, adapter in adapters.items():
+        schema = adapter.json_schema(ref_template=ref, by_alias=True)
         out.update(schema.pop("$defs", {}))
         out[name] = schema
     return out
