@@ -43,13 +43,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "role": {"enum": ["engineer", "designer", "manager", "scientist", "teacher"]},
         "location": _obj({"city": {**_STR, "maxLength": 30}, "country": {**_STR, "maxLength": 30}}),
         "skills": {"type": "array", "items": {**_STR, "maxLength": 20}, "minItems": 1,
-                   "maxItems": 4},
+                   "maxItems": 3},
     }),
     "review": _obj({
         "product": {**_STR, "maxLength": 40},
         "rating": {"type": "integer", "minimum": 1, "maximum": 5},
         "sentiment": {"enum": ["positive", "neutral", "negative"]},
-        "pros": {"type": "array", "items": {**_STR, "maxLength": 30}, "maxItems": 3},
+        "pros": {"type": "array", "items": {**_STR, "maxLength": 30}, "maxItems": 2},
         "would_recommend": {"type": "boolean"},
     }),
     "invoice": _obj({
@@ -57,7 +57,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "customer": _obj({"name": {**_STR, "maxLength": 40},
                           "tier": {"enum": ["standard", "gold", "platinum"]}}),
         "currency": {"enum": ["USD", "EUR", "GBP"]},
-        "lines": {"type": "array", "minItems": 1, "maxItems": 3, "items": _obj({
+        "lines": {"type": "array", "minItems": 1, "maxItems": 2, "items": _obj({
             "item": {**_STR, "maxLength": 24},
             "quantity": {"type": "integer", "minimum": 1, "maximum": 99}})},
         "total_cents": {"type": "integer", "minimum": 0, "maximum": 10_000_000},
@@ -103,7 +103,7 @@ def invoice(rng: random.Random) -> tuple[str, dict[str, Any]]:
     customer = {"name": f"{rng.choice(_LAST)} Ltd", "tier": rng.choice(("standard", "gold",
                                                                          "platinum"))}
     lines = [{"item": it, "quantity": rng.randint(1, 20)}
-             for it in rng.sample(_ITEMS, rng.randint(1, 3))]
+             for it in rng.sample(_ITEMS, rng.randint(1, 2))]
     total = sum(line["quantity"] * rng.randint(200, 5000) for line in lines)
     listed = "; ".join(f"{line['quantity']} x {line['item']}" for line in lines)
     doc = (f"Invoice {inv} for {customer['name']} ({customer['tier']} customer). Items: {listed}. "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,16 @@ LINES = 200
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    """The default model; KV for every line at once, so each run is one stretch of steps."""
+def engine() -> Iterator[Engine]:
+    """The default model with KV for every line at once, on one thread (OpenMP threads that
+    spin on a busy 2-core machine cost several times their worth; see runtime/README.md)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     model = load_model(DEFAULT_MODEL, data_dir=REPO / "data")
-    return Engine(model, EngineConfig(max_batch_tokens=2048, kv_memory_bytes=1 << 30))
+    yield Engine(model, EngineConfig(max_batch_tokens=2048, kv_memory_bytes=1 << 30))
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
