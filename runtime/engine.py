@@ -9,6 +9,7 @@ serves them all. What to admit comes from an `AdmissionPolicy` (scheduler/types.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -125,6 +126,9 @@ class Engine:
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
         self._stats = EngineStats()
+        # Called after every step with its wall time in seconds, on the engine's thread (the
+        # worker's metrics read `stats` and the KV pool there); None = nobody is watching.
+        self.on_step: Callable[[float], None] | None = None
         self._order = itertools.count()
         self._seed = itertools.count(cfg.seed * 1_000_003 + 1)
 
@@ -256,13 +260,17 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------
     def _step(self, pol: AdmissionPolicy, waiting: deque[_Seq], running: list[_Seq]) -> list[RequestOutput]:
         # 1. schedule: decodes first, then prefill chunks within the token and page budgets
+        started = time.perf_counter()
         batch = self._schedule(pol, waiting, running)
         if not batch:
             return []
         # 2. run the model on the flat batch
         logits = self._run(batch)
         # 3. apply: advance computed counts, cache finished prompts, sample, finish choices
-        return self._apply(pol, batch, logits, waiting, running)
+        outputs = self._apply(pol, batch, logits, waiting, running)
+        if self.on_step is not None:
+            self.on_step(time.perf_counter() - started)
+        return outputs
 
     def _schedule(self, pol: AdmissionPolicy, waiting: deque[_Seq],
                   running: list[_Seq]) -> list[tuple[_Seq, int]]:

@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.outage import is_disk_full, is_outage
+
 log = logging.getLogger("blendserve.api")
 
 _TYPES = {
@@ -20,13 +22,17 @@ _TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     503: "server_error",
 }
+
+_NO_RETRY = frozenset({400, 401, 403, 404, 405, 409, 413, 415, 431})  # a retry cannot fix these
 
 
 class APIError(Exception):
@@ -57,7 +63,7 @@ def envelope(message: str, type: str, param: str | None, code: str | None) -> di
 
 def error_response(err: APIError) -> JSONResponse:
     headers = dict(err.headers)
-    if err.status in (400, 401, 403, 404, 405, 409, 413, 415) and "x-should-retry" not in headers:
+    if err.status in _NO_RETRY and "x-should-retry" not in headers:
         headers["x-should-retry"] = "false"  # the SDK retries 409; a retry cannot fix these
     return JSONResponse(
         envelope(err.message, err.type, err.param, err.code),
@@ -112,6 +118,14 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     )
 
 
+def _unavailable(exc: BaseException) -> JSONResponse:
+    if is_disk_full(exc):
+        message = "The server is out of storage space; please retry later."
+        return error_response(APIError(503, message, headers={"Retry-After": "30"}))
+    message = "The server is busy; please retry shortly."
+    return error_response(APIError(503, message, headers={"Retry-After": "1"}))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every non-2xx response leaves through one of these, as the four-key OpenAI envelope."""
 
@@ -136,12 +150,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OperationalError)
     async def _db_busy(_: Request, exc: OperationalError) -> JSONResponse:
         log.warning("database unavailable: %s", exc.orig)
-        return error_response(
-            APIError(503, "The server is busy; please retry shortly.", headers={"Retry-After": "1"})
-        )
+        return _unavailable(exc)
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        if is_outage(exc):  # the database or Redis is down, or the disk is full: retry later
+            log.warning("dependency unavailable: %s: %s", type(exc).__name__, exc)
+            return _unavailable(exc)
         log.exception("unhandled error")  # the traceback goes to the log, never to the client
         return error_response(
             APIError(

@@ -25,6 +25,7 @@ from server.storage import FileStorage
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
+    from server.pipeline import LineResult
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class JobContext:
     interrupted: Callable[[], bool] = lambda: False  # shutdown asked or claim lost
     now: Callable[[], float] = time.time  # wall clock (unix seconds), injectable for expiry tests
     cancel_poll_seconds: float = 0.5  # how often the run re-reads the status for a cancel
+    on_result: Callable[[LineResult], None] = lambda _: None  # each journaled result (metrics)
 
 
 def run_batch(batch_id: str, ctx: JobContext) -> bool:
@@ -193,6 +195,7 @@ def _run_lines(ctx: JobContext, batch: BatchRow) -> StopReason | None:
     for result in results:
         if not journal.record(ctx.sessions, batch.id, ctx.worker_id, result, now=ctx.now()):
             return StopReason.INTERRUPTED  # claim lost: the new owner re-runs what we had in flight
+        ctx.on_result(result)
     return stop.reason
 
 

@@ -24,6 +24,7 @@ from sqlalchemy.orm import sessionmaker
 
 from server.config import Settings
 from server.db import upgrade
+from server.engine_monitor import EngineMonitor
 from server.jobs import JobContext, fail_batch, run_batch
 from server.queue import BatchQueue, make_queue
 from server.storage import FileStorage
@@ -58,12 +59,18 @@ class Worker:
         self.storage = FileStorage(settings.data_dir / "files")
         self.now = now
         self.stopping = threading.Event()  # set: stop admitting, finish in-flight, release, exit
+        self.monitor = EngineMonitor(
+            settings.data_dir, self.worker_id, every_s=settings.metrics_snapshot_seconds
+        )
         self._engine = engine
+        if engine is not None:
+            self.monitor.attach(engine)
         self._policy: str | None = None
 
     def engine(self) -> Engine:
         if self._engine is None:
             self._engine = load_engine(self.settings)
+            self.monitor.attach(self._engine)
         return self._engine
 
     def policy(self) -> str:
@@ -74,6 +81,7 @@ class Worker:
     def run(self, *, until_idle: bool = False) -> int:
         """The loop; `until_idle` returns once no batch needs work (tests, one-shot runs)."""
         log.info("worker %s started (queue: %s)", self.worker_id, type(self.queue).__name__)
+        self.monitor.start()
         self._recover()
         while not self.stopping.is_set():
             # 1. Claim the oldest batch that needs work, or one whose owner stopped heartbeating.
@@ -124,7 +132,9 @@ class Worker:
                 worker_id=self.worker_id,
                 interrupted=lambda: self.stopping.is_set() or beat.lost.is_set(),
                 now=self.now,
+                on_result=self.monitor.on_result,
             )
+            self.monitor.running(batch_id)
             try:
                 terminal = run_batch(batch_id, ctx)
             except Exception:
@@ -134,6 +144,7 @@ class Worker:
                     terminal = True
                 except Exception:
                     log.exception("could not mark batch %s failed", batch_id)
+        self.monitor.running(None)
         try:
             self.queue.release(batch_id, self.worker_id, terminal=terminal)
         except Exception:  # the claim then goes stale and is taken over
@@ -144,6 +155,7 @@ class Worker:
         return max(self.settings.worker_stall_seconds / 4, 0.05)
 
     def close(self) -> None:
+        self.monitor.close()
         self.queue.close()
         self.db.dispose()
 
