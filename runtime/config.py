@@ -32,7 +32,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        assert self.num_heads % self.num_kv_heads == 0, "heads must be a multiple of kv heads"
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} attention heads are not a multiple of "
+                             f"{self.num_kv_heads} KV heads")
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
@@ -69,6 +71,23 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+    def to_hf(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+        """The shape as an HF config dict (what `scheduler.cost_model.ModelShape` reads)."""
+        return {
+            "architectures": [self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "torch_dtype": torch_dtype,
+        }
 
     @property
     def kv_bytes_per_token(self) -> int:

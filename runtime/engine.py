@@ -18,11 +18,14 @@ import torch
 
 from runtime.attention import AttentionBatch, make_backend
 from runtime.config import LoadedModel
+from runtime.errors import EngineFatalError
 from runtime.kv_cache import PagedKVPool, default_kv_memory_bytes
 from runtime.model import LlamaModel
 from runtime.radix_cache import RadixCache, RadixNode
 from runtime.sampler import Sampler, SamplingState, StopChecker
-from runtime.types import Choice, EngineRequest, RequestError, RequestOutput, TokenLogprob
+from runtime.types import (Choice, EngineRequest, RequestError, RequestOutput, StepRecord,
+                           TokenLogprob)
+from scheduler.cost_model import CostModel
 from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
 
 PROGRESS_EVERY = 16  # tokens between policy.on_progress calls for one request
@@ -39,7 +42,8 @@ class EngineConfig:
     seed: int = 0  # seeds unseeded sampling and dummy weights
 
     def __post_init__(self) -> None:
-        assert self.max_batch_tokens >= 1 and self.page_size >= 1
+        if self.max_batch_tokens < 1 or self.page_size < 1:
+            raise ValueError("max_batch_tokens and page_size must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +107,10 @@ class _Seq:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *,
+                 cost_model: CostModel | None = None) -> None:
         cfg = config or EngineConfig()
+        self.cost_model = cost_model  # the served model on this device, for the planner
         self.config = cfg
         self.tokenizer = model.tokenizer
         self.model_name = model.name
@@ -126,9 +132,7 @@ class Engine:
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
         self._stats = EngineStats()
-        # Called after every step with its wall time in seconds, on the engine's thread (the
-        # worker's metrics read `stats` and the KV pool there); None = nobody is watching.
-        self.on_step: Callable[[float], None] | None = None
+        self.step_log: list[StepRecord] = []  # the steps of the current (or last) generate()
         self._order = itertools.count()
         self._seed = itertools.count(cfg.seed * 1_000_003 + 1)
 
@@ -195,10 +199,12 @@ class Engine:
                 yield PlanRequest(req.id, req.prompt_token_ids, sp.max_tokens,
                                   sp.max_tokens if exact else None)
 
+        self.step_log = []
         if isinstance(policy, str):
             from scheduler.policies import make_policy
 
-            pol = make_policy(policy, plan_requests(), kv_capacity_tokens=self.kv_capacity_tokens)
+            pol = make_policy(policy, plan_requests(), kv_capacity_tokens=self.kv_capacity_tokens,
+                              cost_model=self.cost_model)
         else:
             pol = policy
             for _ in plan_requests():  # the caller built the policy: index the requests now
@@ -230,7 +236,8 @@ class Engine:
                     if stopping or not pol.has_pending():
                         return
                     idle_rounds += 1
-                    assert idle_rounds < 3, "admission policy admits nothing to an idle engine"
+                    if idle_rounds >= 3:
+                        raise EngineFatalError("the admission policy admits nothing to an idle engine")
                     continue
                 idle_rounds = 0
                 done.extend(self._step(pol, waiting, running))
@@ -259,17 +266,17 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self, pol: AdmissionPolicy, waiting: deque[_Seq], running: list[_Seq]) -> list[RequestOutput]:
-        # 1. schedule: decodes first, then prefill chunks within the token and page budgets
         started = time.perf_counter()
+        # 1. schedule: decodes first, then prefill chunks within the token and page budgets
         batch = self._schedule(pol, waiting, running)
         if not batch:
             return []
+        shape = _step_shape(batch)
         # 2. run the model on the flat batch
         logits = self._run(batch)
         # 3. apply: advance computed counts, cache finished prompts, sample, finish choices
         outputs = self._apply(pol, batch, logits, waiting, running)
-        if self.on_step is not None:
-            self.on_step(time.perf_counter() - started)
+        self.step_log.append(StepRecord(*shape, seconds=time.perf_counter() - started))
         return outputs
 
     def _schedule(self, pol: AdmissionPolicy, waiting: deque[_Seq],
@@ -291,6 +298,9 @@ class Engine:
         in_batch = {id(s) for s in decodes}
         candidates = [s for s in running if id(s) not in in_batch]
         starved = False
+        # Sequences part-way through their prompt go first, so a waiting sequence starts only
+        # once every prompt before it has all its pages in the cache (see below): no prefix
+        # shared with a sequence still prefilling is ever computed twice.
         while prefill_left > 0:
             if candidates:
                 seq = candidates.pop(0)
@@ -306,6 +316,10 @@ class Engine:
                 starved = True
                 break
             batch.append((seq, chunk))
+            # The chunk's full pages hold their K/V once this step's forward has written them
+            # (every layer writes the step's new K/V before attending), so they go into the
+            # prefix cache now: a sequence started later in this same step shares them.
+            self._cache_prefix(seq, seq.computed + chunk)
             prefill_left -= chunk
         if not batch and starved:  # pages all held by half-prefilled sequences: make room
             self._preempt(max(running, key=lambda s: s.order), waiting, running)
@@ -363,16 +377,18 @@ class Engine:
             self.cache.unlock(seq.node)
         seq.pages, seq.tree_pages, seq.node, seq.computed = [], 0, None, 0
 
-    def _cache_prefix(self, seq: _Seq) -> None:
-        """Hand the sequence's full computed pages to the radix cache (dropping duplicates)."""
+    def _cache_prefix(self, seq: _Seq, computed: int | None = None) -> None:
+        """Hand the sequence's full pages up to `computed` tokens (default: what it has computed)
+        to the radix cache, dropping its own copies of pages the cache already holds."""
         ps = self.pool.page_size
-        full = seq.computed // ps
+        full = (seq.computed if computed is None else computed) // ps
         if full <= seq.tree_pages:
             return
         key = seq.tokens[: full * ps]
         self.cache.insert(key, seq.pages[:full])
         tree, node = self.cache.match_prefix(key, full)
-        assert len(tree) == full
+        if len(tree) != full:
+            raise EngineFatalError("the prefix cache lost pages it was just given")
         dup = [mine for mine, t in zip(seq.pages[seq.tree_pages : full], tree[seq.tree_pages :])
                if mine != t]
         self.pool.free(dup)
@@ -448,3 +464,18 @@ class Engine:
         pol.on_finish(g.req.id, max(len(c.token_ids) for c in g.choices if c is not None))
         return RequestOutput(g.req.id, len(g.req.prompt_token_ids), max(g.cached_tokens, 0),
                              tuple(c for c in g.choices if c is not None))
+
+
+def _step_shape(batch: list[tuple[_Seq, int]]) -> tuple[int, int, int, int, int]:
+    """(tokens, rows, prefill attention pairs, decode KV read, decodes) of a scheduled batch."""
+    tokens = rows = pairs = kv = decodes = 0
+    for s, n in batch:
+        tokens += n
+        if s.computed + n == len(s.tokens):
+            rows += 1
+        if n == 1 and s.generated > 0:
+            decodes += 1
+            kv += s.computed + 1
+        else:
+            pairs += n * s.computed + n * (n + 1) // 2
+    return tokens, rows, pairs, kv, decodes

@@ -1,102 +1,252 @@
-"""Measures this device's dense GEMM FLOP/s and copy bandwidth for the scheduler's cost model.
+"""The device profile: the served model's step time on the device it runs on, measured and fitted.
 
-Writes the `measured` hardware profile that `scheduler.cost_model.HardwareProfile.from_json`
-reads: {"name": "measured", "flops", "bandwidth_bytes_per_s", "kv_capacity_bytes", ...}.
+The planner and the simulator cost a step as t = W + combine(compute, memory) (scheduler/
+cost_model.py). This module measures that model for one engine: it times the engine's own
+forward and sampling over a spread of step shapes (decode batches at short and long contexts,
+prefill chunks fresh and over a cached prefix, a mixed step) and fits, by non-negative least
+squares on relative error,
 
-    python -m runtime.profile -o data/hardware.json [--dtype bfloat16] [--kv-memory BYTES]
+    t = W + tokens·s_token + rows·s_row + pairs·s_pair + kv·s_kv
+
+— overlap 0, because this runtime runs attention and GEMMs one after the other on one stream.
+A short real run through `Engine.generate` then measures what the forward alone misses (the
+engine's host-side scheduling and bookkeeping), which goes into W. The JSON it writes is what
+`HardwareProfile.from_json` reads; profiles are cached under DATA_DIR/profiles/ keyed by model,
+device, dtype and threads (`cached_profile_path`).
 """
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import json
-import sys
+import re
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+from runtime.attention import AttentionBatch
+from runtime.types import EngineRequest, SamplingParams, StepRecord
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
+    from scheduler.cost_model import CostModel
+
+PROFILE_VERSION = 1
+FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
 
 
 @dataclass(frozen=True, slots=True)
-class MeasuredProfile:
-    name: str  # always "measured"
-    device: str  # "cpu" | "cuda:0" ...
-    dtype: str
-    flops: float  # dense GEMM FLOP/s, best of a few sizes
-    bandwidth_bytes_per_s: float  # device copy: bytes read + written per second
-    kv_capacity_bytes: int | None  # the engine's KV pool budget, when known
+class Sample:
+    """One timed step shape: its cost-model features and the seconds it took."""
+
+    tokens: int
+    rows: int
+    pairs: int
+    kv_read: int
+    seconds: float
+
+    @classmethod
+    def of(cls, q_lens: Sequence[int], kv_lens: Sequence[int], seconds: float) -> Sample:
+        tokens = rows = pairs = kv = 0
+        for q, k in zip(q_lens, kv_lens):
+            tokens += q
+            rows += 1
+            if q == 1:
+                kv += k
+            else:
+                pairs += q * (k - q) + q * (q + 1) // 2
+        return cls(tokens, rows, pairs, kv, seconds)
+
+    @classmethod
+    def from_record(cls, r: StepRecord) -> Sample:
+        return cls(r.tokens, r.rows, r.pairs, r.kv_read, r.seconds)
+
+    def features(self) -> list[float]:
+        return [1.0, float(self.tokens), float(self.rows), float(self.pairs), float(self.kv_read)]
 
 
-def _timeit(fn: Callable[[], object], device: torch.device, min_seconds: float) -> float:
-    """Seconds per call of `fn`, after one warm-up call."""
+def step_shapes(capacity_tokens: int, scale: int = 1) -> list[tuple[list[int], list[int]]]:
+    """(q_lens, kv_lens) of the steps to time: decodes first in each, as the engine orders them.
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    sync()
-    n, start = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        sync()
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
-            return elapsed / n
+    Small enough for a 2-core CPU to time them all a few times within the profile's budget;
+    `scale` multiplies batch sizes and lengths on devices that are far faster (GPUs)."""
+    shapes: list[tuple[list[int], list[int]]] = []
+    for batch, ctx in ((1, 64), (1, 640), (16, 64), (16, 640), (64, 64), (48, 320)):
+        shapes.append(([1] * batch * scale, [ctx * scale] * batch * scale))
+    for q, cached in ((64, 0), (256, 0), (768, 0), (128, 896)):
+        shapes.append(([q * scale], [(q + cached) * scale]))
+    shapes.append(([96 * scale] * 6, [96 * scale] * 6))  # several prompts in one step
+    shapes.append(([1] * 32 * scale + [256 * scale], [320 * scale] * 32 * scale + [256 * scale]))
+    return [(q, k) for q, k in shapes if sum(k) <= capacity_tokens // 2]
 
 
-def measure_flops(device: torch.device, dtype: torch.dtype, min_seconds: float = 0.5) -> float:
-    sizes = (1024, 2048) if device.type == "cpu" else (4096, 8192)
-    best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        dt = _timeit(lambda a=a, b=b: torch.mm(a, b), device, min_seconds)
-        best = max(best, 2 * n**3 / dt)
-    return best
+def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int = 2) -> float:
+    """Seconds of the engine's forward + greedy sampling on one step shape: the best of `reps`
+    runs after a warm-up (on a shared machine other load only ever adds time). The K/V pages
+    are borrowed from the engine's pool and handed back."""
+    ps = engine.pool.page_size
+    pages = engine.pool.alloc(sum(-(-k // ps) for k in kv_lens))
+    it = iter(pages)
+    tables = [[next(it) for _ in range(-(-k // ps))] for k in kv_lens]
+    dev = engine.model.device
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, engine.vocab_size, (sum(q_lens),), generator=gen).to(dev)
+    pos = torch.cat([torch.arange(k - q, k) for q, k in zip(q_lens, kv_lens)]).to(dev)
+    rows = (torch.cumsum(torch.tensor(q_lens), 0) - 1).to(dev)
+    batch = AttentionBatch(q_lens, kv_lens, tables, sum(1 for q in q_lens if q == 1))
+    times = []
+    try:
+        with torch.inference_mode():
+            for _ in range(reps + 1):
+                start = time.perf_counter()
+                plan = engine.attn.plan(batch)
+                logits = engine.model.forward(ids, pos, engine.attn, plan, rows)
+                logits.argmax(-1).tolist()  # sampling brings token ids back to the host
+                times.append(time.perf_counter() - start)
+    finally:
+        engine.pool.free(pages)
+    return float(min(times[1:]))
 
 
-def measure_bandwidth(device: torch.device, min_seconds: float = 0.5) -> float:
-    nbytes = (256 << 20) if device.type == "cpu" else (1 << 30)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    dt = _timeit(lambda: dst.copy_(src), device, min_seconds)
-    return 2 * nbytes / dt  # read + write
+def fit(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
+    """Non-negative least squares of the step model on relative error, refitted once without
+    the samples it misses by more than half (a timing disturbed by other load); returns the
+    coefficients (FEATURES) and the mean absolute relative error over all samples."""
+    coef, _ = _nnls(samples)
+    kept = [s for s in samples if abs(predict(coef, s) - s.seconds) <= 0.5 * s.seconds]
+    if len(kept) >= len(FEATURES) + 2 and len(kept) < len(samples):
+        coef, _ = _nnls(kept)
+    err = float(np.mean([abs(predict(coef, s) - s.seconds) / s.seconds for s in samples]))
+    return coef, err
 
 
-def measure(device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
-            kv_capacity_bytes: int | None = None, min_seconds: float = 0.5) -> MeasuredProfile:
-    dev = torch.device(device)
-    with torch.inference_mode():
-        flops = measure_flops(dev, dtype, min_seconds)
-        bw = measure_bandwidth(dev, min_seconds)
-    return MeasuredProfile("measured", str(dev), str(dtype).removeprefix("torch."), flops, bw,
-                           kv_capacity_bytes)
+def _nnls(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
+    x = np.array([s.features() for s in samples])
+    y = np.array([s.seconds for s in samples])
+    w = 1.0 / np.maximum(y, 1e-9)  # relative error: small steps count as much as big ones
+    best: tuple[float, np.ndarray] | None = None
+    # Five unknowns: solve on every subset of them and keep the best non-negative solution.
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            if 1 not in cols or 4 not in cols:  # per-token and per-KV-token times are never 0
+                continue
+            sol, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], y * w, rcond=None)
+            if (sol < 0).any():
+                continue
+            coef = np.zeros(x.shape[1])
+            coef[list(cols)] = sol
+            err = float(np.mean(np.abs(x @ coef - y) * w))
+            if best is None or err < best[0]:
+                best = (err, coef)
+    if best is None:
+        raise ValueError("no non-negative step model fits the measurements")
+    err, coef = best
+    return dict(zip(FEATURES, (float(c) for c in coef))), err
 
 
-def write_profile(path: str | Path, profile: MeasuredProfile) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(asdict(profile), indent=2) + "\n")
-    return p
+def predict(coef: dict[str, float], s: Sample) -> float:
+    return float(np.dot([coef[f] for f in FEATURES], s.features()))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-o", "--output", default="hardware.json")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--kv-memory", type=int, default=None, help="KV pool bytes to record")
-    ap.add_argument("--seconds", type=float, default=0.5, help="minimum timing per measurement")
-    args = ap.parse_args(argv)
-    prof = measure(args.device, getattr(torch, args.dtype), args.kv_memory, args.seconds)
-    write_profile(args.output, prof)
-    print(json.dumps(asdict(prof)))
-    return 0
+def calibration_requests(vocab_size: int, n: int = 12) -> list[EngineRequest]:
+    """A short mixed run: prompts of 40-300 tokens, half sharing a 64-token prefix, 24 tokens out."""
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(1, vocab_size, (64,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    out = []
+    for i in range(n):
+        tail = torch.randint(1, vocab_size, (40 + 23 * i,), generator=gen).tolist()
+        out.append(EngineRequest(f"p{i}", (shared if i % 2 else []) + tail, params))
+    return out
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
+    """Profile `engine` on its device; returns the profile JSON (see module docstring)."""
+    started = time.perf_counter()
+    device = engine.model.device
+    scale = 1 if device.type == "cpu" else 8
+    samples = [Sample.of(q, k, time_step(engine, q, k, reps))
+               for q, k in step_shapes(engine.kv_capacity_tokens, scale)]
+    coef, fit_error = fit(samples)
+    # What the forward alone misses: time a short real run and move the mean gap into W.
+    list(engine.generate(calibration_requests(engine.vocab_size), policy="fcfs"))
+    steps = [Sample.from_record(r) for r in engine.step_log]
+    gap = float(np.mean([s.seconds - predict(coef, s) for s in steps]))
+    coef["step_fixed_s"] = max(coef["step_fixed_s"] + gap, 0.0)
+    run_error = float(np.mean([abs(predict(coef, s) - s.seconds) / s.seconds for s in steps]))
+    cfg = engine.model.config
+    dtype = str(engine.dtype).removeprefix("torch.")
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+    return {
+        "version": PROFILE_VERSION,
+        "name": f"measured:{engine.model_name}@{device.type}",
+        "model": engine.model_name,
+        "device": str(device),
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "overlap": 0.0,  # one stream: attention and GEMMs run one after the other
+        "step_model": coef,
+        # Datasheet-style equivalents, for readers and older tools.
+        "flops": 2.0 * _params(cfg) / coef["s_per_token"],
+        "bandwidth_bytes_per_s": kv_bytes / coef["s_per_kv_token"],
+        "kv_capacity_bytes": engine.kv_capacity_tokens * kv_bytes,
+        "batch_multiple": 1 if device.type == "cpu" else 128,
+        "model_config": cfg.to_hf(dtype),
+        "fit": {"shapes": len(samples), "mean_abs_rel_error": fit_error,
+                "calibration_steps": len(steps), "calibration_mean_abs_rel_error": run_error,
+                "host_seconds_per_step": gap},
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _params(cfg: Any) -> int:
+    from scheduler.cost_model import ModelShape
+
+    return ModelShape.from_hf_config(cfg.to_hf()).params
+
+
+def cached_profile_path(data_dir: Path, engine: Engine) -> Path:
+    """DATA_DIR/profiles/<model>-<device>-<dtype>-t<threads>.json."""
+    model = re.sub(r"[^A-Za-z0-9._-]+", "_", engine.model_name).strip("_") or "model"
+    dtype = str(engine.dtype).removeprefix("torch.")
+    device = engine.model.device.type
+    return data_dir / "profiles" / f"{model}-{device}-{dtype}-t{torch.get_num_threads()}.json"
+
+
+def write_profile(path: Path, profile: dict[str, Any]) -> Path:
+    """Write atomically, so that a worker reading the cache never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{time.monotonic_ns()}")
+    tmp.write_text(json.dumps(profile, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def cost_model_from_profile(profile: dict[str, Any]) -> CostModel:
+    """The cost model of the profiled model on the profiled device."""
+    from scheduler.cost_model import CostModel, HardwareProfile, ModelShape
+
+    shape = ModelShape.from_hf_config(profile["model_config"], name=str(profile.get("model")))
+    return CostModel(shape, HardwareProfile.from_dict(profile))
+
+
+def load_or_measure(engine: Engine, data_dir: Path) -> tuple[dict[str, Any], Path, bool]:
+    """The cached profile of this engine's model, device, dtype and threads, or a fresh one
+    (measured now and cached); returns (profile, path, measured_now)."""
+    path = cached_profile_path(data_dir, engine)
+    try:
+        profile = json.loads(path.read_text())
+        if profile.get("version") == PROFILE_VERSION and profile.get("model") == engine.model_name:
+            cost_model_from_profile(profile)  # still readable
+            return profile, path, False
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing or unreadable: measure again
+    profile = measure(engine)
+    write_profile(path, profile)
+    return profile, path, True

@@ -73,3 +73,15 @@ class RequestOutput:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step as it ran: what it held and how long it took (plan reports, profiling)."""
+
+    tokens: int  # tokens through the model (decodes + prefill chunks)
+    rows: int  # rows sampled (decodes + prefills that finished their prompt)
+    pairs: int  # prefill attention (query, key) pairs
+    kv_read: int  # KV tokens the decodes attended to
+    decodes: int  # decoding sequences
+    seconds: float  # wall time of the step (schedule + model + sampling + bookkeeping)

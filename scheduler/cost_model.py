@@ -1,14 +1,17 @@
-"""The cost model: per-request and per-step compute / memory time on a model shape and a GPU.
+"""The cost model: per-request and per-step compute / memory time of a model on a device.
 
-Formulas are DESIGN.md's (the BlendServe paper's): Comp(r) = 2·(p+d)·P / FLOPs,
-Mem(r) = (p·d + d²/2)·kv_bytes_per_token / B, ρ = Comp / Mem. Functions take Python numbers or
-numpy arrays alike, so the planner can cost a million requests in one call.
+Formulas are DESIGN.md's (the BlendServe paper's): Comp(r) = 2·(p+d)·P / FLOPs (+ prefill
+attention), Mem(r) = (p·d + d²/2)·kv_bytes_per_token / B, ρ = Comp / Mem, and one step-time
+model, t = W + combine(T_comp, T_mem), for planner and simulator alike. The coefficients come
+from datasheet peaks or, for the device the engine runs on, from `blendserve profile`'s fit.
+Functions take Python numbers or numpy arrays alike, so the planner can cost a million requests
+in one call.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +80,29 @@ class ModelShape:
 
 
 @dataclass(frozen=True, slots=True)
+class StepCoefficients:
+    """A step-time model fitted on the served model and device (`blendserve profile`).
+
+    t_step = step_fixed_s + combine(compute, memory), where
+    compute = tokens·s_per_token + rows·s_per_row + pairs·s_per_pair and memory = kv·s_per_kv_token.
+    """
+
+    step_fixed_s: float  # W: weights read once per step, launch and host (Python) overhead
+    s_per_token: float  # every token through the linear layers
+    s_per_row: float  # every sampled row: the LM head over the vocabulary, and sampling
+    s_per_pair: float  # prefill attention, per (query, key) pair
+    s_per_kv_token: float  # decode attention, per cached token read
+
+    def __post_init__(self) -> None:
+        if min(self.step_fixed_s, self.s_per_token, self.s_per_row, self.s_per_pair,
+               self.s_per_kv_token) < 0 or self.s_per_token <= 0 or self.s_per_kv_token <= 0:
+            raise ProfileError("step coefficients must be >= 0 (per-token and per-KV-token > 0)")
+
+
+@dataclass(frozen=True, slots=True)
 class HardwareProfile:
-    """Peak dense bf16 FLOP/s, HBM bandwidth, and memory of one accelerator."""
+    """A device: datasheet peaks (FLOP/s, bandwidth, memory), how far it overlaps compute with
+    memory traffic, and optionally a step-time model measured on the served model."""
 
     name: str
     flops: float  # peak dense FLOP/s
@@ -86,6 +110,20 @@ class HardwareProfile:
     kv_capacity_bytes: int | None = None  # bytes left for KV; None = derive from memory_bytes
     memory_bytes: int | None = None  # device memory; weights and ~10% workspace come off it
     batch_multiple: int = 128  # preferred token-count multiple for a step (1 on CPUs)
+    # Share of the smaller of a step's compute and memory time hidden under the larger one:
+    # 0 = they run one after the other (one stream: this runtime on any device today),
+    # 1 = perfect overlap (an idealisation; `--perfect-overlap` in the simulator).
+    overlap: float = 0.0
+    step_overhead_s: float = 0.0  # launch and host time per step on top of the weight reads
+    measured: StepCoefficients | None = None  # fitted step model (overrides the datasheet)
+    model_config: dict[str, Any] | None = None  # HF config of the model the fit was made on
+    free_steps: bool = False  # idealisation: W = 0 (`--free-weights` in the simulator)
+
+    def __post_init__(self) -> None:
+        if self.flops <= 0 or self.bandwidth <= 0:
+            raise ProfileError(f"profile {self.name!r}: flops and bandwidth must be > 0")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ProfileError(f"profile {self.name!r}: overlap must be in [0, 1]")
 
     @classmethod
     def named(cls, name: str) -> HardwareProfile:
@@ -96,33 +134,64 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, path: str | Path) -> HardwareProfile:
-        """Read the profile the runtime measured (`{"name", "flops", "bandwidth_bytes_per_s", ...}`)."""
+        """Read a profile file: `blendserve profile`'s measured step model, or datasheet peaks
+        (`{"name", "flops", "bandwidth_bytes_per_s", ...}`)."""
         try:
             data = json.loads(Path(path).read_text())
-            flops = float(data["flops"])
-            bandwidth = float(data["bandwidth_bytes_per_s"])
+            return cls.from_dict(data)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ProfileError(f"cannot read hardware profile {path}: {exc}") from exc
-        if flops <= 0 or bandwidth <= 0:
-            raise ProfileError(f"hardware profile {path}: flops and bandwidth must be > 0")
-        cap = data.get("kv_capacity_bytes")
-        mem = data.get("memory_bytes")
+            if isinstance(exc, ProfileError):
+                raise ProfileError(f"hardware profile {path}: {exc}") from exc
+            raise ProfileError(f"cannot read hardware profile {path}: {exc!r}") from exc
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        step = data.get("step_model")
+        measured = None if step is None else StepCoefficients(
+            step_fixed_s=float(step["step_fixed_s"]),
+            s_per_token=float(step["s_per_token"]),
+            s_per_row=float(step.get("s_per_row", 0.0)),
+            s_per_pair=float(step.get("s_per_pair", 0.0)),
+            s_per_kv_token=float(step["s_per_kv_token"]),
+        )
+        flops = float(data["flops"])
+        cap, mem = data.get("kv_capacity_bytes"), data.get("memory_bytes")
         # A GPU-class device prefers token counts in multiples of 128; a CPU does not care.
         multiple = data.get("batch_multiple") or (128 if flops >= 5e13 else 1)
+        config = data.get("model_config")
         return cls(
             name=str(data.get("name", "measured")),
             flops=flops,
-            bandwidth=bandwidth,
+            bandwidth=float(data["bandwidth_bytes_per_s"]),
             kv_capacity_bytes=None if cap is None else int(cap),
             memory_bytes=None if mem is None else int(mem),
             batch_multiple=int(multiple),
+            overlap=float(data.get("overlap", 0.0)),
+            step_overhead_s=float(data.get("step_overhead_s", 0.0)),
+            measured=measured,
+            model_config=dict(config) if isinstance(config, dict) else None,
         )
 
+    def idealised(self, *, overlap: float | None = None, free_steps: bool = False) -> HardwareProfile:
+        """This device with an idealisation switched on (for bracketing, never the default)."""
+        return replace(self, overlap=self.overlap if overlap is None else overlap,
+                       free_steps=self.free_steps or free_steps)
 
+
+# Datasheet peaks. A GPU overlaps a step's GEMMs with its memory traffic (decode attention,
+# weight reads) when the runtime splits the step into nano-batches on two streams (NanoFlow).
+# Concurrent kernels slow each other down, so not all of the smaller side hides. We assume 90%
+# hidden: BlendServe measured 86.5% of its optimum on real GPUs, which a balanced step costing
+# max + (1 − e)·min allows only for e ≳ 0.85. `blendserve profile` on the device measures the
+# real figure; the simulator's `--overlap`, `--no-overlap` and `--perfect-overlap` bracket it.
+GPU_OVERLAP = 0.9
 _PROFILES: dict[str, HardwareProfile] = {
-    "h200": HardwareProfile("h200", flops=989e12, bandwidth=4.8e12, memory_bytes=141_000_000_000),
-    "h100": HardwareProfile("h100", flops=989e12, bandwidth=3.35e12, memory_bytes=80_000_000_000),
-    "a100": HardwareProfile("a100", flops=312e12, bandwidth=2.039e12, memory_bytes=80_000_000_000),
+    "h200": HardwareProfile("h200", flops=989e12, bandwidth=4.8e12, memory_bytes=141_000_000_000,
+                            overlap=GPU_OVERLAP),
+    "h100": HardwareProfile("h100", flops=989e12, bandwidth=3.35e12, memory_bytes=80_000_000_000,
+                            overlap=GPU_OVERLAP),
+    "a100": HardwareProfile("a100", flops=312e12, bandwidth=2.039e12, memory_bytes=80_000_000_000,
+                            overlap=GPU_OVERLAP),
 }
 
 _WORKSPACE_FRACTION = 0.10  # activations, CUDA graphs, allocator slack
@@ -130,7 +199,13 @@ _WORKSPACE_FRACTION = 0.10  # activations, CUDA graphs, allocator slack
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Seconds of compute and memory traffic for requests and steps; see DESIGN.md."""
+    """Seconds of compute and memory traffic for requests and steps; see DESIGN.md.
+
+    One step-time model serves the planner and the simulator:
+    t_step = overhead + combine(T_comp, T_kv + T_weights), combine = max + (1 − overlap)·min.
+    Every step reads all weights (T_weights = P·bytes / B), so W = T_weights + overhead is the
+    least a step costs; on a measured device (no overlap) the fitted fixed cost is all of W.
+    """
 
     shape: ModelShape
     hardware: HardwareProfile
@@ -141,13 +216,57 @@ class CostModel:
 
     @property
     def seconds_per_token(self) -> float:
-        """Linear-layer compute time of one token: 2·P / FLOPs."""
-        return 2.0 * self.shape.params / self.hardware.flops
+        """Linear-layer compute time of one token: 2·P / FLOPs (or measured)."""
+        m = self.hardware.measured
+        return m.s_per_token if m is not None else 2.0 * self.shape.params / self.hardware.flops
+
+    @property
+    def seconds_per_row(self) -> float:
+        """Extra time per sampled row (measured; the datasheet model counts the LM head in P)."""
+        m = self.hardware.measured
+        return m.s_per_row if m is not None else 0.0
+
+    @property
+    def seconds_per_pair(self) -> float:
+        """Prefill attention per (query, key) pair: QKᵀ and PV, 4·H_q·L FLOPs (or measured)."""
+        m = self.hardware.measured
+        if m is not None:
+            return m.s_per_pair
+        s = self.shape
+        return 4.0 * s.heads * s.head_dim * s.layers / self.hardware.flops
 
     @property
     def seconds_per_kv_token(self) -> float:
-        """Time to read one token's KV cache once: kv_bytes / B."""
-        return self.kv_bytes_per_token / self.hardware.bandwidth
+        """Time to read one token's KV cache once: kv_bytes / B (or measured)."""
+        m = self.hardware.measured
+        return m.s_per_kv_token if m is not None else self.kv_bytes_per_token / self.hardware.bandwidth
+
+    @property
+    def weights_read_s(self) -> float:
+        """Reading every weight once, which each step does: memory traffic like a KV read, so
+        it overlaps with compute as far as the device overlaps (0 when measured: it is in the
+        fitted fixed cost)."""
+        if self.hardware.free_steps or self.hardware.measured is not None:
+            return 0.0
+        return self.shape.params * self.shape.dtype_bytes / self.hardware.bandwidth
+
+    @property
+    def step_overhead_s(self) -> float:
+        """Per-step time that overlaps with nothing: launches, host scheduling (measured: the
+        whole fitted fixed cost, as the measured device does not overlap)."""
+        m = self.hardware.measured
+        if self.hardware.free_steps:
+            return 0.0
+        return m.step_fixed_s if m is not None else self.hardware.step_overhead_s
+
+    @property
+    def step_fixed_s(self) -> float:
+        """W: what every step costs whatever it holds: the weights' read plus overhead."""
+        return self.weights_read_s + self.step_overhead_s
+
+    @property
+    def overlap(self) -> float:
+        return self.hardware.overlap
 
     @property
     def kv_capacity_bytes(self) -> int:
@@ -166,11 +285,16 @@ class CostModel:
     def kv_capacity_tokens(self) -> int:
         return self.kv_capacity_bytes // self.kv_bytes_per_token
 
-    def comp(self, p: Any, d: Any) -> Any:
-        """Compute seconds of a request: every prompt and output token through the linear layers."""
-        if _is_array(p, d):
+    def comp(self, p: Any, d: Any, shared: Any = 0.0) -> Any:
+        """Compute seconds of a request whose first `shared` prompt tokens are cached: the other
+        prompt tokens and every output token through the linear layers, a sampled row per output
+        token, and the prompt's causal attention ((p² − shared²)/2 query-key pairs)."""
+        if _is_array(p, d, shared):
             p = np.asarray(p, dtype=np.float64)
-        return (p + d) * self.seconds_per_token
+            d = np.asarray(d, dtype=np.float64)
+            shared = np.asarray(shared, dtype=np.float64)
+        return ((p - shared + d) * self.seconds_per_token + d * self.seconds_per_row
+                + (p * p - shared * shared) / 2.0 * self.seconds_per_pair)
 
     def mem(self, p: Any, d: Any) -> Any:
         """Memory seconds of a request: decode step i reads p + i tokens of KV, summed over d steps."""
@@ -191,25 +315,42 @@ class CostModel:
         """ρ(R) = (1 − s)·ΣComp / ΣMem for a set with prefix-sharing ratio s."""
         return (1.0 - sharing) * total_comp / total_mem if total_mem > 0 else float("inf")
 
-    def step_compute_time(self, tokens: float) -> float:
-        return float(tokens) * self.seconds_per_token
+    def step_compute_time(self, tokens: float, rows: float = 0.0, pairs: float = 0.0) -> float:
+        return (float(tokens) * self.seconds_per_token + float(rows) * self.seconds_per_row
+                + float(pairs) * self.seconds_per_pair)
 
     def step_memory_time(self, kv_tokens_read: float) -> float:
-        return float(kv_tokens_read) * self.seconds_per_kv_token
+        """Memory traffic of one step: its KV reads plus one read of the weights."""
+        return float(kv_tokens_read) * self.seconds_per_kv_token + self.weights_read_s
 
-    def step_time(self, tokens: float, kv_tokens_read: float, overlap: bool = True) -> float:
-        """One step: compute and memory overlap perfectly (NanoFlow) or run back to back."""
-        c, m = self.step_compute_time(tokens), self.step_memory_time(kv_tokens_read)
-        return max(c, m) if overlap else c + m
+    def combine(self, compute_s: Any, memory_s: Any) -> Any:
+        """Compute and memory time of one step (or arrays of steps), overlapped as the device does."""
+        hi, lo = np.maximum(compute_s, memory_s), np.minimum(compute_s, memory_s)
+        out = hi + (1.0 - self.overlap) * lo
+        return float(out) if np.ndim(out) == 0 else out
 
-    def optimal_makespan(self, total_comp: float, total_mem: float, max_sharing: float) -> float:
-        """T_opt = max((1 − s_max)·ΣComp, ΣMem): every step perfectly balanced, DFS sharing."""
-        return max((1.0 - max_sharing) * total_comp, total_mem)
+    def step_time(self, tokens: float, kv_tokens_read: float, rows: float = 0.0,
+                  pairs: float = 0.0) -> float:
+        """One step: overhead + combine(compute, KV reads + weights read)."""
+        c = self.step_compute_time(tokens, rows, pairs)
+        return self.step_overhead_s + float(self.combine(c, self.step_memory_time(kv_tokens_read)))
+
+    def optimal_makespan(self, total_comp: float, total_mem: float, max_sharing: float,
+                         min_steps: float = 0.0) -> float:
+        """T_opt = max(C_eff, M_kv + W·S_min), C_eff = (1 − s_max)·ΣComp: a lower bound on any
+        schedule (perfect overlap, DFS sharing, no more steps than the longest request or the
+        step cap force, each paying one weights read)."""
+        return max((1.0 - max_sharing) * total_comp, total_mem + self.step_fixed_s * min_steps)
 
     @classmethod
     def default(cls) -> CostModel:
         """Llama-3-8B on an H200: the profile the project's goals are stated on."""
         return cls(ModelShape.named("llama-3-8b"), HardwareProfile.named("h200"))
+
+
+def min_steps(longest_output: float, computed_tokens: float, step_cap: float) -> float:
+    """S_min = max(longest output, computed tokens / step cap): no schedule takes fewer steps."""
+    return max(float(longest_output), float(computed_tokens) / max(float(step_cap), 1.0))
 
 
 def _is_array(*xs: Any) -> bool:

@@ -155,6 +155,7 @@ class BlendPolicy:
         self._split: MemorySplit | None = None
         self._decoding = 0  # running requests that have reported progress (past their prefill)
         self._credit = 0.0  # prefill tokens owed to past steps by batch-multiple rounding
+        self._withdrawn = False  # withdraw() took every request not yet admitted
         if not self._warm_left:
             self._make_plan()
 
@@ -301,6 +302,8 @@ class BlendPolicy:
 
     # ---------------------------------------------------------------- AdmissionPolicy
     def admit(self, budget: StepBudget) -> list[PlanRequest]:
+        if self._withdrawn:
+            return []
         if self._plan is None:
             return self._admit_warmup(budget)
         plan = self._plan
@@ -440,7 +443,8 @@ class BlendPolicy:
         if req in self._warm_left:
             self._warm_left.discard(req)
             self._sample_lens[req] = int(output_len)
-            if self._plan is None and not self._warm_left and self._warm_next >= len(self._samples):
+            if (self._plan is None and not self._withdrawn and not self._warm_left
+                    and self._warm_next >= len(self._samples)):
                 self._make_plan()
 
     def on_progress(self, request_id: str, generated: int) -> None:
@@ -463,6 +467,19 @@ class BlendPolicy:
         heapq.heappush(self._left_heap, (-(row[5] - row[4]), req, row[4]))
 
     def has_pending(self) -> bool:
+        if self._withdrawn:
+            return False
         if self._plan is None:
             return True
         return self._left < self._right
+
+    def withdraw(self) -> list[PlanRequest]:
+        if self._withdrawn:
+            return []
+        self._withdrawn = True
+        if self._plan is None:
+            started = set(self._run) | set(self._sample_lens)
+            return [r for i, r in enumerate(self._reqs) if i not in started]
+        order = self._plan.order[self._left : self._right]
+        self._left = self._right
+        return [self._reqs[int(i)] for i in order]

@@ -105,6 +105,13 @@ class OrderedPolicy:
     def has_pending(self) -> bool:
         return self._next is not None
 
+    def withdraw(self) -> list[PlanRequest]:
+        out: list[PlanRequest] = []
+        while self._next is not None:
+            out.append(self._next)
+            self._advance()
+        return out
+
 
 def make_policy(
     name: str,

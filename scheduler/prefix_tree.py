@@ -26,7 +26,7 @@ class NodeStats:
     output_tokens: np.ndarray  # [nodes] Σ (estimated) output lengths
     computed_tokens: np.ndarray  # [nodes] prompt tokens prefilled when the subtree runs alone, DFS
     shared_tokens: np.ndarray  # [nodes] prompt_tokens − computed_tokens (served from cache)
-    comp: np.ndarray  # [nodes] seconds: (computed + output tokens)·2P/FLOPs
+    comp: np.ndarray  # [nodes] seconds: computed + output tokens, rows, prefill attention
     mem: np.ndarray  # [nodes] seconds: Σ Mem(p, d)
     rho: np.ndarray  # [nodes] comp / mem (inf when no decode)
 
@@ -196,7 +196,10 @@ class PrefixTree:
         parent_depth = self.depth - self.edge_len
         computed = self.subtree_edge_tokens() + parent_depth  # the path to the node, once
         mem = self.leaf_prefix_sum(cost.mem(p, d))
-        comp = (computed + output) * cost.seconds_per_token
+        # Prefill attention: the subtree's Σ p²/2 pairs, scaled to the tokens it computes.
+        pairs = self.leaf_prefix_sum(p * p / 2.0) * np.where(prompt > 0, computed / np.maximum(prompt, 1.0), 0.0)
+        comp = ((computed + output) * cost.seconds_per_token + output * cost.seconds_per_row
+                + pairs * cost.seconds_per_pair)
         with np.errstate(divide="ignore", invalid="ignore"):
             rho = np.where(mem > 0, comp / np.where(mem > 0, mem, 1.0), np.inf)
         return NodeStats(

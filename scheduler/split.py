@@ -28,7 +28,7 @@ class Plan:
     prompt: np.ndarray  # [n] prompt length p
     computed: np.ndarray  # [n] prompt tokens left to prefill after the previous request's prefix
     output: np.ndarray  # [n] estimated (mean) output length d̂
-    comp: np.ndarray  # [n] seconds: (computed + d)·2P/FLOPs
+    comp: np.ndarray  # [n] seconds: CostModel.comp with the shared prefix cached
     mem: np.ndarray  # [n] seconds: expected Mem(p, d) = (p·d̂ + φ·d̂²/2)·kv/B
     rho_target: float  # ρ of the whole plan: Σcomp / Σmem
     leaves_moved: int  # leaves detached by node splitting
@@ -105,7 +105,7 @@ def build_plan(
         d = d_all[order]
         shared = shared_with_previous(tree, order)
     computed = p - shared
-    comp = (computed + d) * cost.seconds_per_token
+    comp = cost.comp(p, d, shared)
     mem = (p * d + dispersion * d * d / 2.0) * cost.seconds_per_kv_token
     total_mem = float(mem.sum())
     return Plan(
@@ -132,7 +132,7 @@ def _split(
     budget_tokens: float,
 ) -> tuple[np.ndarray, int]:
     """Move the most misplaced leaves to their density's place while the recompute fits the budget."""
-    comp = (p - shared + d) * cost.seconds_per_token
+    comp = cost.comp(p, d, shared)
     mem = cost.mem(p, d)
     rho = comp / np.maximum(mem, 1e-300)
     work = comp + mem

@@ -48,6 +48,8 @@ class AdmissionPolicy(Protocol):
     - `on_progress` may be called with a running request's generated length so far; a policy
       may use it to correct an estimate that the request has overrun.
     - `has_pending` is False once every request has been returned by `admit`.
+    - `withdraw` removes and returns every request not yet returned by `admit` (so a caller can
+      re-plan what is left together with new arrivals); afterwards `has_pending` is False.
     """
 
     def admit(self, budget: StepBudget) -> list[PlanRequest]: ...
@@ -59,3 +61,5 @@ class AdmissionPolicy(Protocol):
     def on_progress(self, request_id: str, generated: int) -> None: ...
 
     def has_pending(self) -> bool: ...
+
+    def withdraw(self) -> list[PlanRequest]: ...

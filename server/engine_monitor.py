@@ -19,11 +19,13 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
+    from runtime.types import StepRecord
     from server.pipeline import LineResult
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,14 @@ log = logging.getLogger(__name__)
 SNAPSHOT_DIR = "metrics/workers"  # under DATA_DIR
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RATE_WINDOW_S = 10.0  # tokens/s and requests/s are averaged over this many seconds
-_COUNTERS = ("requests_ok", "requests_failed", "prompt_tokens", "cached_tokens", "output_tokens")
+_COUNTERS = (
+    "requests_ok",
+    "requests_failed",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "sampled_tokens",  # tokens the engine generated, finished requests or not (step log)
+)
 
 
 def snapshot_dir(data_dir: Path) -> Path:
@@ -63,18 +72,35 @@ class EngineMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._write_failed = False
+        self._log: list[StepRecord] = []  # the engine's step log we last read, and how far
+        self._log_seen = 0
 
     # -- what the worker feeds in -------------------------------------------------------------
     def attach(self, engine: Engine) -> None:
-        """Watch this engine: time each of its steps, read its KV pool and counters."""
+        """Watch this engine: its step log (step times), KV pool and counters."""
         with self._lock:
             self._engine = engine
-        engine.on_step = self.on_step
 
-    def on_step(self, seconds: float) -> None:
+    def observe_steps(self, steps: Iterable[StepRecord]) -> None:
+        """Engine steps as they ran: the step-time histogram and the tokens they sampled."""
         with self._lock:
-            self._bucket_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
-            self._step_sum += seconds
+            for step in steps:
+                self._bucket_counts[bisect.bisect_left(STEP_BUCKETS, step.seconds)] += 1
+                self._step_sum += step.seconds
+                self._counts["sampled_tokens"] += step.rows
+
+    def _drain_step_log(self, engine: Engine) -> None:
+        """Steps the engine logged since the last look. `generate()` starts a new list; what the
+        old one got after our last look is read before moving on."""
+        log = engine.step_log
+        new: list[StepRecord] = []
+        if log is not self._log:
+            new.extend(self._log[self._log_seen :])
+            self._log, self._log_seen = log, 0
+        end = len(log)  # the engine appends from its own thread: read up to a fixed end
+        new.extend(log[self._log_seen : end])
+        self._log_seen = end
+        self.observe_steps(new)
 
     def on_result(self, result: LineResult) -> None:
         """One request journaled (finished or refused): its outcome and usage."""
@@ -93,6 +119,8 @@ class EngineMonitor:
     def snapshot(self) -> dict[str, Any]:
         """The figures as of now (also what `publish` writes)."""
         now = self.clock()
+        if self._engine is not None:
+            self._drain_step_log(self._engine)
         with self._lock:
             engine, batch = self._engine, self._batch
             figures = _engine_figures(engine) if engine is not None else {}
@@ -128,6 +156,7 @@ class EngineMonitor:
                 "output_tokens_per_s": rates["output_tokens"],
                 "engine_prefill_tokens_per_s": rates["engine_prefill_tokens"],
                 "engine_decode_tokens_per_s": rates["engine_decode_tokens"],
+                "engine_sampled_tokens_per_s": rates["sampled_tokens"],
             },
             "prefix_hit_ratio": cached / prompt if prompt > 0 else 0.0,
             "step_seconds": {"le": list(STEP_BUCKETS), "counts": buckets, "sum": step_sum},

@@ -212,7 +212,7 @@ class WorkerCollector(Collector):
         )
         eng_tps = GaugeMetricFamily(
             "blendserve_engine_tokens_per_second",
-            "Tokens the engine ran per second (10 s window), by phase.",
+            "Engine tokens per second (10 s window): prefill and decode tokens run, tokens sampled.",
             labels=[*w, "phase"],
         )
         hit = GaugeMetricFamily(
@@ -242,7 +242,9 @@ class WorkerCollector(Collector):
             "blendserve_engine_step_seconds", "Wall time of one engine step.", labels=w
         )
         eng_toks = CounterMetricFamily(
-            "blendserve_engine_tokens", "Tokens the engine ran, by phase.", labels=[*w, "phase"]
+            "blendserve_engine_tokens",
+            "Engine tokens: prefill and decode run, sampled.",
+            labels=[*w, "phase"],
         )
         preempt = CounterMetricFamily(
             "blendserve_engine_preemptions", "Sequences preempted for KV room.", labels=w
@@ -260,7 +262,7 @@ class WorkerCollector(Collector):
             for kind in TOKEN_KINDS:
                 toks.add_metric([wid, kind], c.get(f"{kind}_tokens", 0))
                 tps.add_metric([wid, kind], r.get(f"{kind}_tokens_per_s", 0.0))
-            for phase in ("prefill", "decode"):
+            for phase in ("prefill", "decode", "sampled"):
                 eng_tps.add_metric([wid, phase], r.get(f"engine_{phase}_tokens_per_s", 0.0))
             hit.add_metric([wid], snap.get("prefix_hit_ratio", 0.0))
             kv = snap.get("kv")
@@ -273,6 +275,7 @@ class WorkerCollector(Collector):
             if eng:
                 eng_toks.add_metric([wid, "prefill"], eng["prefill_tokens"])
                 eng_toks.add_metric([wid, "decode"], eng["decode_tokens"])
+                eng_toks.add_metric([wid, "sampled"], c.get("sampled_tokens", 0))
                 preempt.add_metric([wid], eng["preemptions"])
             hist = snap.get("step_seconds")
             if hist:

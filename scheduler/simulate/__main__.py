@@ -25,18 +25,24 @@ from scheduler.simulate.sharded import run_sharded
 from scheduler.simulate.trace import read_trace
 
 _PROFILES = ("h200", "h100", "a100")
+DEFAULT_SHAPE = "llama-3-8b"
 
 
-def cost_model(hardware: str, shape: str) -> CostModel:
-    """A named profile, or the path of a measured-profile JSON the runtime wrote."""
+def cost_model(hardware: str, shape: str | None = None, *, free_weights: bool = False,
+               overlap: float | None = None) -> CostModel:
+    """A named datasheet profile, or the path of a profile JSON (`blendserve profile`'s, whose
+    model shape is the profiled model's unless `shape` names another); idealisations opt-in."""
     hw = HardwareProfile.named(hardware) if hardware in _PROFILES else HardwareProfile.from_json(hardware)
-    return CostModel(ModelShape.named(shape), hw)
+    if shape is None and hw.model_config is not None:
+        model = ModelShape.from_hf_config(hw.model_config, name=hw.name.split(":")[-1])
+    else:
+        model = ModelShape.named(shape or DEFAULT_SHAPE)
+    return CostModel(model, hw.idealised(overlap=overlap, free_steps=free_weights))
 
 
-def write_steps_csv(result: SimResult, path: Path, overlap: bool) -> None:
+def write_steps_csv(result: SimResult, path: Path) -> None:
     """One row per step, for looking at what a policy did when (pacing, memory, queue)."""
-    c, m = result.step_compute_s, result.step_memory_s
-    dt = np.maximum(c, m) if overlap else c + m
+    c, m, dt = result.step_compute_s, result.step_memory_s, result.step_time_s
     start = np.concatenate(([0.0], np.cumsum(dt)[:-1]))
     cols = (start, dt, c, m, result.step_prefill_tokens, result.step_decoding,
             result.step_queued, result.step_kv_used)
@@ -52,19 +58,31 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m scheduler.simulate", description=__doc__.split("\n")[0])
     ap.add_argument("trace", type=Path, help="trace JSONL: id, prompt_token_ids, output_len")
     ap.add_argument("--policy", choices=POLICY_NAMES, required=True)
-    ap.add_argument("--hardware", default="h200", help="h200 | h100 | a100 | measured-profile JSON")
-    ap.add_argument("--model-shape", default="llama-3-8b")
+    ap.add_argument("--hardware", default="h200",
+                    help="h200 | h100 | a100 | a profile JSON (`blendserve profile --out FILE`)")
+    ap.add_argument("--model-shape", default=None,
+                    help=f"a named shape (default: the profiled model's, else {DEFAULT_SHAPE})")
     ap.add_argument("--kv-tokens", type=int, default=None, help="KV capacity (default: the device's)")
     ap.add_argument("--sample-rate", type=float, default=0.01)
-    ap.add_argument("--no-overlap", action="store_true", help="step time = compute + memory")
+    over = ap.add_mutually_exclusive_group()
+    over.add_argument("--no-overlap", action="store_true",
+                      help="compute and memory one after the other (the device's own overlap "
+                           "is the default: 0.9 on the GPU profiles, 0 on a measured CPU)")
+    over.add_argument("--perfect-overlap", action="store_true",
+                      help="idealisation: the smaller of compute and memory hides entirely")
+    over.add_argument("--overlap", type=float, default=None,
+                      help="share of the smaller of compute and memory hidden, in [0, 1]")
+    ap.add_argument("--free-weights", action="store_true",
+                    help="idealisation: steps cost no fixed time (weight reads, launches)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel shards, one device each")
     ap.add_argument("--dp-cut", choices=("stratified", "sampled"), default="stratified",
                     help="shard by prefix-tree branches, or by a plan from a warm-up sample")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-step-tokens", type=int, default=DEFAULT_MAX_STEP_TOKENS,
-                    help="prefill tokens a step may carry at most")
+                    help="tokens (decode + prefill) a step holds at most, as the engine's "
+                         "max_batch_tokens / `blendserve run --max-step-tokens`")
     ap.add_argument("--weight-reads", action="store_true",
-                    help="add the weights' read time (P·bytes / B) to every step's memory time")
+                    help="no-op: weights are read every step by default (see --free-weights)")
     ap.add_argument("--plan-only", action="store_true", help="plan and time it; no simulation")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of utilisation per step")
     ap.add_argument("--steps-csv", type=Path, default=None,
@@ -76,26 +94,31 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cost = cost_model(args.hardware, args.model_shape)
+        if args.max_step_tokens < 1:
+            raise SchedulerError("--max-step-tokens must be at least 1")
+        overlap = 0.0 if args.no_overlap else 1.0 if args.perfect_overlap else args.overlap
+        cost = cost_model(args.hardware, args.model_shape, free_weights=args.free_weights,
+                          overlap=overlap)
         kv_tokens = args.kv_tokens or cost.kv_capacity_tokens
-        cfg = RunConfig(args.policy, kv_tokens, args.sample_rate, args.seed, not args.no_overlap,
-                        args.max_step_tokens, args.plan_only, args.weight_reads)
+        cfg = RunConfig(args.policy, kv_tokens, args.sample_rate, args.seed,
+                        args.max_step_tokens, args.plan_only)
         entries = read_trace(args.trace)
         report: dict[str, Any] = {"policy": args.policy, "trace": str(args.trace),
                                   "hardware": cost.hardware.name, "model_shape": cost.shape.name,
-                                  "kv_capacity_tokens": kv_tokens, "overlap": cfg.overlap}
+                                  "kv_capacity_tokens": kv_tokens, "overlap": cost.overlap,
+                                  "step_fixed_s": cost.step_fixed_s,
+                                  "max_step_tokens": args.max_step_tokens}
         if args.dp > 1:
             report.update(run_sharded(entries, cost, cfg, args.dp, args.dp_cut == "sampled"))
         else:
             fields, result = run_trace(entries, cost, cfg)
             report.update(fields)
             if args.steps_csv and result is not None:
-                write_steps_csv(result, args.steps_csv, cfg.overlap)
+                write_steps_csv(result, args.steps_csv)
             if args.plot and result is not None:
                 from scheduler.simulate.plot import plot_utilisation
 
-                plot_utilisation(result, args.plot, overlap=cfg.overlap,
-                                 title=f"{args.policy} on {args.trace.name}")
+                plot_utilisation(result, args.plot, title=f"{args.policy} on {args.trace.name}")
     except (SchedulerError, OSError) as exc:
         print(json.dumps({"error": str(exc)}), file=sys.stderr)
         return 2

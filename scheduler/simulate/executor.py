@@ -1,17 +1,21 @@
 """The step loop: continuous batching of a trace on the cost model, driven by an admission policy.
 
-Accounting (exact against CostModel.comp / mem for a lone request): a request's prompt is
-prefilled in chunks (p tokens of compute, minus what the prefix cache serves), then it runs d
-decode steps of one token each. Decode step k (k = 1…d) reads p + k − ½ tokens of KV — the mean
-of the context before and after the step — so Σ over its steps is p·d + d²/2, DESIGN.md's Mem(r).
-A step costs max(T_comp, T_mem) (overlap) or their sum, from CostModel.step_time.
+It steps the way the engine (runtime/engine.py) does. A request's prompt is prefilled in chunks
+(minus what the prefix cache serves), and the step that completes it samples the first output
+token; each later step decodes one more token, reading the request's whole context
+(p + tokens generated so far) from the KV cache. A step costs W + combine(compute, memory)
+(CostModel.step_time): compute counts the step's tokens, its sampled rows and its prefill
+attention pairs; memory counts the KV the decodes read and one read of the weights. A step holds at most `max_step_tokens`
+tokens, decodes first (they always run), as the engine's `max_batch_tokens`.
 
 KV memory holds the cached prompt segments (shared ones once, see PrefixCache), each running
 request's generated tokens, and the partial chunk of the request being prefilled. Decode growth
 is reserved first each step (evicting unpinned cache, then preempting the newest request, which
-is recomputed later); prefill then takes what is left. All per-request work happens at events
-(start, finish, progress report); a plain decode step is O(1), and once the policy has admitted
-everything, decode-only stretches are advanced to the next finish in one go.
+recomputes its prompt and output later, as the engine does); prefill then takes what is left.
+Requests are prefilled one after another within a step, and a segment prefilled earlier in the
+step is already cached for the next one (the engine shares it in-step too). All per-request
+work happens at events (start, finish, progress report); a plain decode step is O(1), and once
+the policy has admitted everything, decode-only stretches are advanced to the next finish.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from scheduler.simulate.prefix_cache import PrefixCache
 from scheduler.simulate.trace import TraceEntry
 from scheduler.types import AdmissionPolicy, StepBudget
 
-DEFAULT_MAX_STEP_TOKENS = 8192  # prefill tokens a step carries when the policy does not pace
+DEFAULT_MAX_STEP_TOKENS = 2048  # tokens a step holds at most (the engine's max_batch_tokens)
 
 
 class SimulationError(SchedulerError, RuntimeError):
@@ -40,11 +44,7 @@ class SimulationError(SchedulerError, RuntimeError):
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     kv_capacity_tokens: int  # KV slots of the simulated device
-    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS  # prefill tokens per step, at most
-    overlap: bool = True  # step time max(comp, mem) (NanoFlow) or comp + mem
-    # Seconds of weight reads added to every step's memory time. DESIGN's cost model has none
-    # (weights amortise over big steps); set it (P·bytes / B) to see what tiny steps would cost.
-    step_weight_read_s: float = 0.0
+    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS  # decode + prefill tokens per step, at most
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,9 @@ class SimResult:
     preemptions: int  # decoding requests preempted (they recompute later)
     prefill_aborts: int  # partial prefills dropped to make room for decode tokens
     peak_kv_tokens: int  # most KV slots in use at any step end (≤ kv capacity)
+    step_time_s: np.ndarray  # [steps] overhead + combine(compute, memory) of each step
     step_compute_s: np.ndarray  # [steps] compute time of each step
-    step_memory_s: np.ndarray  # [steps] memory time of each step
+    step_memory_s: np.ndarray  # [steps] memory time of each step: KV reads + the weights read
     step_prefill_tokens: np.ndarray  # [steps] prompt (and recomputed) tokens prefilled
     step_decoding: np.ndarray  # [steps] requests that decoded a token
     step_queued: np.ndarray  # [steps] admitted requests waiting for or in prefill
@@ -92,12 +93,13 @@ class _Run:
         self.n = len(entries)
         tree = tree or PrefixTree.build([e.request.prompt_token_ids for e in entries])
         self.cache = PrefixCache(tree)
-        self.g_prev = [0] * self.n  # tokens generated before the current decode stint
+        self.g0 = [0] * self.n  # tokens generated when the current decode stint began
         self.base = [0] * self.n  # step of the current stint's first decode
         self.epoch = [0] * self.n  # bumps on preemption: stale heap entries are skipped
         self.path: list[list[int] | None] = [None] * self.n
         self.admitted = [False] * self.n
         self.started = [False] * self.n  # first prefill begun (hits are counted once)
+        self.redo = [0] * self.n  # output tokens to recompute after a preemption
         self.queue: deque[int] = deque()  # admitted, waiting for / in prefill, in order
         self.running: dict[int, None] = {}  # holds KV; insertion order = start order
         self.head_active = False  # queue[0] has acquired its path and is prefilling
@@ -106,8 +108,8 @@ class _Run:
         self.partial = 0  # KV of queue[0]'s prefill not yet in cached nodes
         self.waiting = 0  # admitted tokens still to prefill (StepBudget.waiting_prefill_tokens)
         self.n_dec = 0  # decoding requests
-        self.ctx = 0  # Σ (p + generated) over decoding requests
-        self.gen = 0  # Σ generated tokens over running requests (private KV)
+        self.ctx = 0  # Σ (p + generated) over decoding requests: KV the next decode step reads
+        self.gen = 0  # Σ (generated − 1) over decoding requests: their outputs' KV (private)
         self.finish_heap: list[tuple[int, int, int]] = []  # (last step, request, epoch)
         self.report_heap: list[tuple[int, int, int]] = []
         self.t = 0
@@ -131,6 +133,10 @@ class _Run:
     def budget(self) -> StepBudget:
         return StepBudget(self.cap, self.cap - self.pinned(), len(self.queue) + self.n_dec,
                           self.waiting)
+
+    def generated(self, i: int) -> int:
+        """Tokens request i (decoding) has generated before the current step."""
+        return self.g0[i] + self.t - self.base[i]
 
     def reserve_decode(self) -> None:
         """Make room for this step's decode tokens: evict, then preempt the newest request."""
@@ -158,11 +164,11 @@ class _Run:
             self.head_active = False
             self.partial = 0
             return
-        g = self.g_prev[i] + self.t - self.base[i]
+        g = self.generated(i)
         self.n_dec -= 1
         self.ctx -= self.p[i] + g
-        self.gen -= g
-        self.g_prev[i] = g
+        self.gen -= g - 1
+        self.redo[i] = g  # the engine refeeds prompt + output, then samples the next token
         self.epoch[i] += 1
         self.waiting += self.p[i] + g
         self.queue.appendleft(i)
@@ -198,14 +204,15 @@ class _Run:
         self.waiting -= hit
         self.running[i] = None
 
-    def prefill(self, tokens: int, starting: list[int]) -> int:
-        """Prefill up to `tokens` from the queue head(s); returns the tokens computed."""
-        left, done = tokens, 0
+    def prefill(self, tokens: int, starting: list[int]) -> tuple[int, int]:
+        """Prefill up to `tokens` from the queue head(s); returns (tokens computed, attention
+        pairs); requests whose prompt completes are appended to `starting`."""
+        left, done, pairs = tokens, 0, 0
         while left > 0 and self.queue:
             if not self.head_active:
                 self.activate_head()
             i = self.queue[0]
-            target = self.p[i] + self.g_prev[i]
+            target = self.p[i] + self.redo[i]
             want = min(left, target - self.head_pos)
             free = self.cap - self.used() - self.headroom()
             if want > free:
@@ -213,6 +220,7 @@ class _Run:
                 free = self.cap - self.used() - self.headroom()
             take = min(want, free)
             if take > 0:
+                pairs += take * self.head_pos + take * (take + 1) // 2
                 self.head_pos += take
                 self.partial += take
                 left -= take
@@ -220,14 +228,14 @@ class _Run:
                 self.waiting -= take
                 self.fill_nodes(i)
             if self.head_pos == target:
-                self.gen += self.g_prev[i]  # recomputed output tokens stay private
+                self.gen += self.redo[i]  # recomputed output tokens stay private KV
                 self.partial = 0
                 self.queue.popleft()
                 self.head_active = False
                 starting.append(i)
             elif take <= 0:
                 break  # out of memory this step
-        return done
+        return done, pairs
 
     def headroom(self) -> int:
         """KV prefill must leave free: this step's decode tokens and the next step's.
@@ -250,24 +258,28 @@ class _Run:
             self.head_fill += 1
 
     # ------------------------------------------------------------------ steps
-    def record(self, prefill: int, kv_read: float, used: int) -> None:
-        tokens = prefill + self.n_dec
-        self.comp.append(self.cost.step_compute_time(tokens))
-        self.mem.append(self.cost.step_memory_time(kv_read) + self.cfg.step_weight_read_s)
-        self.trace_rows.append((prefill, self.n_dec, len(self.queue), used))
+    def record(self, tokens: int, rows: int, pairs: int, kv_read: float, prefill: int,
+               decoding: int, used: int) -> None:
+        self.comp.append(self.cost.step_compute_time(tokens, rows, pairs))
+        self.mem.append(self.cost.step_memory_time(kv_read))
+        self.trace_rows.append((prefill, decoding, len(self.queue), used))
 
     def start_decoding(self, starting: list[int]) -> None:
+        """Requests whose (re)prefill completed this step sampled a token: decode or finish."""
         for i in starting:
+            g = self.redo[i] + 1  # the completing step sampled one more token
+            self.redo[i] = 0
             self.n_dec += 1
-            self.ctx += self.p[i] + self.g_prev[i]
-            self.base[i] = self.t
-            heapq.heappush(self.finish_heap, (self.t + self.d[i] - self.g_prev[i] - 1, i,
-                                              self.epoch[i]))
-            self.push_report(i, _next_report(self.g_prev[i]))
+            self.ctx += self.p[i] + g  # its outputs' KV joined `gen` with the prefill
+            self.g0[i], self.base[i] = g, self.t
+            # decode steps t .. t + d − g − 1; a request done at its prefill "ends" at t − 1
+            heapq.heappush(self.finish_heap, (self.t + self.d[i] - g - 1, i, self.epoch[i]))
+            self.push_report(i, _next_report(g - 1) if g > 1 else 1)
 
     def push_report(self, i: int, at: int) -> None:
+        """Schedule on_progress for when request i has generated `at` tokens."""
         if at < self.d[i]:
-            step = self.base[i] + at - self.g_prev[i] - 1
+            step = self.base[i] + at - self.g0[i] - 1  # the step after which it holds `at`
             heapq.heappush(self.report_heap, (step, i, self.epoch[i]))
 
     def retire(self) -> None:
@@ -276,7 +288,7 @@ class _Run:
         while self.report_heap and self.report_heap[0][0] <= last:
             step, i, ep = heapq.heappop(self.report_heap)
             if ep == self.epoch[i] and i in self.running:
-                g = self.g_prev[i] + step + 1 - self.base[i]  # generated when that step ended
+                g = self.g0[i] + step + 1 - self.base[i]  # generated when that step ended
                 self.policy.on_progress(self.ids[i], g)
                 self.push_report(i, _next_report(g))
         while self.finish_heap and self.finish_heap[0][0] <= last:
@@ -287,7 +299,7 @@ class _Run:
             d = self.d[i]
             self.n_dec -= 1
             self.ctx -= self.p[i] + d
-            self.gen -= d
+            self.gen -= d - 1
             del self.running[i]
             path = self.path[i]
             assert path is not None
@@ -311,15 +323,15 @@ class _Run:
         k = min(self.next_finish() - self.t + 1, (self.cap - self.pinned()) // n)
         if k < 2:
             return False
+        over = self.used() + k * n - self.cap
+        if over > 0:
+            self.cache.evict(over)  # k·n fits in what is not pinned
         used = self.used()
         for j in range(k):
-            self.record(0, self.ctx + n * j + 0.5 * n, used + n * j)
+            self.record(n, n, 0, self.ctx + n * j, 0, n, used + n * (j + 1))
         self.ctx += k * n
         self.gen += k * n
         self.t += k
-        over = self.used() - self.cap
-        if over > 0:
-            self.cache.evict(over)
         return True
 
     def step(self) -> None:
@@ -330,19 +342,22 @@ class _Run:
                 and self.fast_forward()):
             self.after_step()
             return
-        budget = self.policy.prefill_budget(self.budget())  # 3. pacing
-        chunk = self.cfg.max_step_tokens if budget is None else max(0, min(budget, self.cfg.max_step_tokens))
+        room = max(self.cfg.max_step_tokens - self.n_dec, 0)
+        budget = self.policy.prefill_budget(self.budget())  # 3. pacing, within the step cap
+        chunk = room if budget is None else max(0, min(budget, room))
         if chunk == 0 and self.n_dec == 0:
             chunk = self.cfg.max_step_tokens  # an idle step must make progress
         starting: list[int] = []
-        done = self.prefill(chunk, starting)
+        done, pairs = self.prefill(chunk, starting)
         tokens = done + self.n_dec
         if tokens == 0 and not starting:
             self.stalled()
         self.prefilled += done
-        self.record(done, self.ctx + 0.5 * self.n_dec, self.used())  # 4. cost: compute ∥ memory
-        self.ctx += self.n_dec
         self.gen += self.n_dec
+        # 4. cost: the decodes read their contexts; prompts that completed sample a token
+        self.record(tokens, self.n_dec + len(starting), pairs, self.ctx, done, self.n_dec,
+                    self.used())
+        self.ctx += self.n_dec
         self.t += 1
         self.start_decoding(starting)
         self.after_step()
@@ -350,7 +365,8 @@ class _Run:
     def after_step(self) -> None:
         self.retire()  # 5. finished requests free KV and tell the policy
         used = self.used()
-        assert used <= self.cap, (used, self.cap)
+        if used > self.cap:
+            raise SimulationError(f"KV use {used} exceeds the capacity {self.cap}")
         self.peak = max(self.peak, used)
 
     def stalled(self) -> None:
@@ -366,13 +382,13 @@ class _Run:
         if self.policy.has_pending():
             raise SimulationError("policy still has requests after every trace request finished")
         comp, mem = np.asarray(self.comp), np.asarray(self.mem)
-        total = np.maximum(comp, mem) if self.cfg.overlap else comp + mem
+        dt = self.cost.step_overhead_s + np.asarray(self.cost.combine(comp, mem), dtype=np.float64)
         return SimResult(
-            makespan_s=float(total.sum()), steps=len(comp), requests=self.n,
+            makespan_s=float(dt.sum()), steps=len(comp), requests=self.n,
             prompt_tokens=sum(self.p), output_tokens=sum(self.d),
             cached_prompt_tokens=self.cached_prompt, prefill_tokens=self.prefilled,
             preemptions=self.preemptions, prefill_aborts=self.prefill_aborts,
-            peak_kv_tokens=self.peak,
+            peak_kv_tokens=self.peak, step_time_s=dt,
             step_compute_s=comp, step_memory_s=mem,
             **dict(zip(("step_prefill_tokens", "step_decoding", "step_queued", "step_kv_used"),
                        np.asarray(self.trace_rows, dtype=np.int64).reshape(-1, 4).T)))

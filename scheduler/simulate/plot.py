@@ -9,24 +9,23 @@ import numpy as np
 from scheduler.simulate.executor import SimResult
 
 
-def utilisation(result: SimResult, overlap: bool = True) -> tuple[np.ndarray, ...]:
+def utilisation(result: SimResult) -> tuple[np.ndarray, ...]:
     """(step start times, compute utilisation, memory utilisation), each [steps], in [0, 1]."""
-    comp, mem = result.step_compute_s, result.step_memory_s
-    dt = np.maximum(comp, mem) if overlap else comp + mem
+    comp, mem, dt = result.step_compute_s, result.step_memory_s, result.step_time_s
     safe = np.where(dt > 0, dt, 1.0)
     start = np.concatenate(([0.0], np.cumsum(dt)[:-1]))
     return start, np.where(dt > 0, comp / safe, 0.0), np.where(dt > 0, mem / safe, 0.0)
 
 
 def plot_utilisation(result: SimResult, path: str | Path, *, title: str,
-                     overlap: bool = True, bins: int = 2000) -> None:
+                     bins: int = 2000) -> None:
     """Write a PNG of utilisation over time; steps are averaged into at most `bins` time bins."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    start, cu, mu = utilisation(result, overlap)
+    start, cu, mu = utilisation(result)
     dt = np.diff(np.append(start, result.makespan_s))
     edges = np.linspace(0.0, max(result.makespan_s, 1e-12), bins + 1)
     which = np.clip(np.searchsorted(edges, start, side="right") - 1, 0, bins - 1)

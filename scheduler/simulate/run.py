@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.cost_model import CostModel
+from scheduler.cost_model import CostModel, min_steps
 from scheduler.policies import make_policy
 from scheduler.prefix_tree import PrefixTree
 from scheduler.simulate.executor import DEFAULT_MAX_STEP_TOKENS, SimConfig, SimResult, simulate
@@ -33,10 +33,8 @@ class RunConfig:
     kv_capacity_tokens: int
     sample_rate: float = 0.01
     seed: int = 0
-    overlap: bool = True
-    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
+    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS  # decode + prefill tokens a step holds
     plan_only: bool = False
-    weight_reads: bool = False  # add P·bytes / B of memory time to every step
 
 
 class TimedPolicy:
@@ -120,16 +118,16 @@ def run_trace(entries: Sequence[TraceEntry], cost: CostModel, cfg: RunConfig,
     tree = tree or PrefixTree.build([r.prompt_token_ids for r in requests])
     comp, mem = trace_totals(entries, cost)
     s_max = tree.max_sharing_ratio()
-    opt = cost.optimal_makespan(comp, mem, s_max)
     timed = TimedPolicy(policy)
     t1 = time.perf_counter()
-    weights_s = cost.shape.params * cost.shape.dtype_bytes / cost.hardware.bandwidth
-    sim_cfg = SimConfig(cfg.kv_capacity_tokens, cfg.max_step_tokens, cfg.overlap,
-                        weights_s if cfg.weight_reads else 0.0)
-    result = simulate(entries, timed, cost, sim_cfg, tree)
+    result = simulate(entries, timed, cost, SimConfig(cfg.kv_capacity_tokens, cfg.max_step_tokens),
+                      tree)
     sim_seconds = time.perf_counter() - t1
+    s_min = min_steps(max(e.output_len for e in entries),
+                      tree.unique_tokens + result.output_tokens, cfg.max_step_tokens)
+    opt = cost.optimal_makespan(comp, mem, s_max, s_min)
     c, m = result.step_compute_s, result.step_memory_s
-    busy = float((np.maximum(c, m) if cfg.overlap else c + m).sum())
+    busy = float(result.step_time_s.sum())
     span = result.makespan_s
     out.update(
         makespan_s=span,
@@ -144,6 +142,9 @@ def run_trace(entries: Sequence[TraceEntry], cost: CostModel, cfg: RunConfig,
         # T_opt scales decode compute by (1 − s_max) too; this bound prefills each distinct
         # prompt token once and computes every output token: no order can beat it.
         compute_bound_s=(tree.unique_tokens + result.output_tokens) * cost.seconds_per_token,
+        min_steps=s_min,
+        step_fixed_s=cost.step_fixed_s,
+        overlap=cost.overlap,
         steps=result.steps,
         preemptions=result.preemptions,
         prefill_aborts=result.prefill_aborts,

@@ -63,7 +63,9 @@ def run_sharded(entries: Sequence[TraceEntry], cost: CostModel, cfg: RunConfig, 
         comp, mem = trace_totals(entries, cost)
         s_max = PrefixTree.build([e.request.prompt_token_ids for e in entries]).max_sharing_ratio()
         makespan = max(r["makespan_s"] for r in reports)
-        opt = cost.optimal_makespan(comp, mem, s_max) / k
+        longest = max(e.output_len for e in entries)
+        s_min = max(float(longest), max(r["min_steps"] for r in reports))
+        opt = cost.optimal_makespan(comp / k, mem / k, s_max, s_min)
         prompt = sum(r["prompt_tokens"] for r in reports)
         cached = sum(r["prefix_sharing_ratio"] * r["prompt_tokens"] for r in reports)
         tokens = prompt + sum(r["output_tokens"] for r in reports)

@@ -201,3 +201,40 @@ def test_abandoning_the_generator_releases_every_page() -> None:
     next(it)  # one finished, the others still hold pages
     it.close()
     assert_no_leaks(engine)
+
+
+def test_requests_admitted_together_compute_a_shared_prefix_once() -> None:
+    # All six arrive in one step: the first caches the 40-token prefix as its chunk is scheduled,
+    # the others share those pages in the same step instead of computing them again.
+    engine = make_engine(max_batch_tokens=512)
+    ps = prompts(6, prefix=40)
+    out = run(engine, greedy(ps))
+    assert [out[f"r{i}"].cached_tokens for i in range(6)] == [0] + [40] * 5
+    assert engine.stats.prefill_tokens == sum(len(p) for p in ps) - 5 * 40
+    assert_no_leaks(engine)
+
+
+def test_a_prefix_prefilled_over_several_steps_is_computed_once() -> None:
+    # A 120-token shared prefix in 32-token steps: the second request starts only after the
+    # first has cached the whole prefix, and computes its own suffix alone.
+    engine = make_engine(max_batch_tokens=32)
+    ps = prompts(2, prefix=120)
+    out = run(engine, greedy(ps, max_tokens=3))
+    assert out["r1"].cached_tokens == 120
+    assert engine.stats.prefill_tokens == len(ps[0]) + len(ps[1]) - 120
+    roomy = run(make_engine(max_batch_tokens=512), greedy(ps, max_tokens=3))
+    assert {k: v.choices[0].token_ids for k, v in out.items()} == {
+        k: v.choices[0].token_ids for k, v in roomy.items()}
+    assert_no_leaks(engine)
+
+
+def test_every_step_is_logged_with_its_shape() -> None:
+    engine = make_engine(max_batch_tokens=512)
+    ps = prompts(3, lo=10, hi=11)
+    run(engine, greedy(ps, max_tokens=4))
+    log = engine.step_log
+    assert log[0].tokens == sum(len(p) for p in ps) and log[0].rows == 3 and log[0].decodes == 0
+    assert log[0].pairs == sum(len(p) * (len(p) + 1) // 2 for p in ps)
+    assert [r.decodes for r in log[1:]] == [3, 3, 3]
+    assert log[1].kv_read == sum(len(p) + 1 for p in ps)
+    assert all(r.seconds > 0 for r in log)

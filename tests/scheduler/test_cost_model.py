@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from scheduler.cost_model import CostModel, HardwareProfile, ModelShape
+from scheduler.cost_model import CostModel, HardwareProfile, ModelShape, min_steps
 from scheduler.errors import ProfileError, UnknownNameError
 from scheduler.model_shapes import MODEL_SHAPES
 from tests.scheduler.factories import h200_8b, toy_cost
@@ -40,25 +40,32 @@ def test_unknown_names_raise_a_typed_error_listing_the_known_ones():
         ModelShape.named("gpt-5")
 
 
-def test_measured_profile_is_read_from_the_runtime_json(tmp_path):
+def test_a_datasheet_profile_file_is_read(tmp_path):
     path = tmp_path / "hw.json"
-    path.write_text(
-        json.dumps(
-            {
-                "name": "measured",
-                "flops": 2e11,
-                "bandwidth_bytes_per_s": 5e10,
-                "kv_capacity_bytes": 1_000_000,
-            }
-        )
-    )
+    path.write_text(json.dumps({"name": "measured", "flops": 2e11, "bandwidth_bytes_per_s": 5e10,
+                                "kv_capacity_bytes": 1_000_000}))
     hw = HardwareProfile.from_json(path)
     assert (hw.flops, hw.bandwidth, hw.kv_capacity_bytes, hw.batch_multiple) == (
-        2e11,
-        5e10,
-        1_000_000,
-        1,
-    )
+        2e11, 5e10, 1_000_000, 1)
+    assert hw.overlap == 0.0 and hw.measured is None
+
+
+def test_a_measured_step_model_replaces_the_datasheet_coefficients(tmp_path):
+    step = {"step_fixed_s": 0.05, "s_per_token": 0.002, "s_per_row": 0.001,
+            "s_per_pair": 5e-7, "s_per_kv_token": 1e-5}
+    cfg = dict(MODEL_SHAPES["smollm2-135m"], torch_dtype="float32")
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"name": "measured:m@cpu", "flops": 1e11, "bandwidth_bytes_per_s": 4e9,
+                                "overlap": 0.0, "step_model": step, "model_config": cfg}))
+    hw = HardwareProfile.from_json(path)
+    cm = CostModel(ModelShape.from_hf_config(hw.model_config), hw)
+    assert cm.step_fixed_s == 0.05 and cm.seconds_per_token == 0.002
+    assert cm.seconds_per_row == 0.001 and cm.seconds_per_pair == 5e-7
+    assert cm.seconds_per_kv_token == 1e-5 and cm.shape.dtype_bytes == 4
+    # one prefill step of 100 tokens (one sampled row) and one decode step reading 500 tokens
+    assert cm.step_time(100, 0, rows=1, pairs=5050) == pytest.approx(
+        0.05 + 0.2 + 0.001 + 5050 * 5e-7)
+    assert cm.step_time(1, 500, rows=1) == pytest.approx(0.05 + 0.002 + 0.001 + 500 * 1e-5)
 
 
 def test_a_profile_file_without_bandwidth_is_rejected(tmp_path):
@@ -70,7 +77,9 @@ def test_a_profile_file_without_bandwidth_is_rejected(tmp_path):
 
 def test_comp_and_mem_follow_the_design_formulas():
     cm = toy_cost()  # P = 1e6 → 2e6 FLOP/token at 1e12 FLOP/s; 1 KiB of KV per token at 1e12 B/s
-    assert cm.comp(100, 10) == pytest.approx(110 * 2e6 / 1e12)
+    pair = 4 * 4 * 64 * 2 / 1e12  # QKᵀ and PV: 4 · heads · head_dim · layers FLOPs
+    assert cm.comp(100, 10) == pytest.approx(110 * 2e6 / 1e12 + 100 * 100 / 2 * pair)
+    assert cm.comp(100, 10, 60) == pytest.approx(50 * 2e6 / 1e12 + (100**2 - 60**2) / 2 * pair)
     assert cm.mem(100, 10) == pytest.approx((100 * 10 + 10 * 10 / 2) * 1024 / 1e12)
     assert cm.rho(100, 10) == pytest.approx(cm.comp(100, 10) / cm.mem(100, 10))
 
@@ -86,13 +95,30 @@ def test_array_inputs_give_the_same_numbers_as_scalars():
     assert np.allclose(cm.mem(p, d), [cm.mem(10, 3), cm.mem(500, 2000)])
 
 
-def test_step_time_overlaps_or_adds_compute_and_memory():
+def test_a_step_reads_the_weights_and_overlaps_compute_with_memory_as_the_device_does():
     cm = toy_cost()
-    c, m = cm.step_compute_time(1000), cm.step_memory_time(5000)
-    assert cm.step_time(1000, 5000) == pytest.approx(max(c, m))
-    assert cm.step_time(1000, 5000, overlap=False) == pytest.approx(c + m)
+    w = cm.shape.params * 2 / 1e12
+    c, kv = cm.step_compute_time(1000), 5000 * 1024 / 1e12
+    assert cm.step_fixed_s == pytest.approx(w)
+    assert cm.step_memory_time(5000) == pytest.approx(kv + w)  # the weights are memory traffic
+    m = kv + w
+    for overlap, expect in ((0.0, c + m), (1.0, max(c, m)), (0.8, max(c, m) + 0.2 * min(c, m))):
+        model = CostModel(cm.shape, cm.hardware.idealised(overlap=overlap))
+        assert model.step_time(1000, 5000) == pytest.approx(expect)
+    free = CostModel(cm.shape, cm.hardware.idealised(free_steps=True))
+    assert free.step_time(1000, 5000) == pytest.approx(c + kv)
 
 
-def test_optimal_makespan_discounts_compute_by_the_sharing_ratio():
-    assert CostModel.default().optimal_makespan(10.0, 4.0, 0.5) == 5.0
-    assert CostModel.default().optimal_makespan(10.0, 6.0, 0.5) == 6.0
+def test_gpu_datasheets_overlap_partly_and_read_the_weights_every_step():
+    cm = CostModel.default()
+    assert 0.0 < cm.overlap < 1.0
+    assert cm.step_fixed_s == pytest.approx(cm.shape.params * 2 / 4.8e12)
+
+
+def test_the_bound_counts_a_weights_read_for_every_step_no_schedule_can_skip():
+    cm = CostModel.default()
+    w = cm.step_fixed_s
+    assert cm.optimal_makespan(10.0, 4.0, 0.5) == 5.0  # compute-bound: (1 − s)·ΣComp
+    assert cm.optimal_makespan(10.0, 6.0, 0.5) == 6.0
+    assert cm.optimal_makespan(10.0, 4.0, 0.5, min_steps=1000) == pytest.approx(4.0 + 1000 * w)
+    assert min_steps(300, 10_000, 2048) == 300 and min_steps(3, 10_000, 2048) == 10_000 / 2048

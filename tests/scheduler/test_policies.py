@@ -78,3 +78,17 @@ def test_balance_is_a_seeded_random_order():
 def test_unknown_policy_names_are_rejected():
     with pytest.raises(UnknownNameError, match="blend"):
         make_policy("lifo", [], kv_capacity_tokens=10)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_withdraw_returns_exactly_the_requests_not_yet_admitted(name):
+    reqs = _reqs()
+    policy = make_policy(name, reqs, kv_capacity_tokens=1_000_000)
+    first = policy.admit(make_budget(1_000_000, running=0))
+    left = policy.withdraw()
+    assert not policy.has_pending() and policy.withdraw() == []
+    assert sorted(r.id for r in first + left) == sorted(r.id for r in reqs)
+    assert not {r.id for r in first} & {r.id for r in left}
+    for r in first:  # the admitted ones still finish normally
+        policy.on_finish(r.id, 5)
+    assert not policy.has_pending() and policy.admit(make_budget(1_000_000)) == []

@@ -105,40 +105,72 @@ class Counting:
         return self.inner.has_pending()
 
 
-def run_alone(p: int, d: int, overlap: bool, step_tokens: int = 8192):
+def run_alone(p: int, d: int, cost: CostModel = COST, step_tokens: int = 8192):
     entry = make_entry("a", tokens(1, p), d)
     policy = OneAtATime([entry.request])
-    return simulate([entry], policy, COST, SimConfig(10**7, step_tokens, overlap))
+    return simulate([entry], policy, cost, SimConfig(10**7, step_tokens))
+
+
+def engine_steps(p: int, d: int, cap: int) -> list[tuple[int, int, int, int]]:
+    """(tokens, rows, pairs, kv read) of each step the engine runs for a lone request: prompt
+    chunks of `cap` tokens (the last samples the first token), then d − 1 one-token decodes
+    reading the prompt and every token generated so far."""
+    out, done = [], 0
+    while done < p:
+        q = min(cap, p - done)
+        out.append((q, int(done + q == p), q * done + q * (q + 1) // 2, 0))
+        done += q
+    out += [(1, 1, 0, p + k) for k in range(1, d)]
+    return out
+
+
+def engine_time(cost: CostModel, p: int, d: int, cap: int) -> float:
+    return sum(cost.step_time(t, kv, rows, pairs) for t, rows, pairs, kv in engine_steps(p, d, cap))
 
 
 @pytest.mark.parametrize(("p", "d"), [(1000, 50), (20000, 3), (7, 1), (300, 2000)])
-def test_lone_request_without_overlap_costs_comp_plus_mem(p: int, d: int) -> None:
-    result = run_alone(p, d, overlap=False)
-    assert result.makespan_s == pytest.approx(COST.comp(p, d) + COST.mem(p, d), rel=1e-9)
-    assert result.steps == -(-p // 8192) + d
+@pytest.mark.parametrize("overlap", [0.0, 0.8, 1.0])
+def test_a_lone_request_costs_exactly_the_steps_the_engine_runs(p: int, d: int,
+                                                                overlap: float) -> None:
+    cost = CostModel(COST.shape, COST.hardware.idealised(overlap=overlap))
+    result = run_alone(p, d, cost)
+    assert result.steps == len(engine_steps(p, d, 8192)) == -(-p // 8192) + d - 1
+    assert result.makespan_s == pytest.approx(engine_time(cost, p, d, 8192), rel=1e-9)
 
 
-def test_weight_reads_add_one_read_of_the_weights_per_step() -> None:
-    p, d, w = 1000, 30, 0.0033
-    entry = make_entry("a", tokens(1, p), d)
-    result = simulate([entry], OneAtATime([entry.request]), COST, SimConfig(10**6, 8192, False, w))
-    assert result.makespan_s == pytest.approx(COST.comp(p, d) + COST.mem(p, d) + (1 + d) * w)
+def test_without_overlap_a_lone_request_costs_its_comp_plus_mem_plus_a_weight_read_per_step():
+    cost = CostModel(COST.shape, COST.hardware.idealised(overlap=0.0))
+    p, d = 1000, 30
+    result = run_alone(p, d, cost)
+    # CostModel.mem counts d decode reads of p + k − ½; the engine reads p + k for k < d.
+    mem = sum(p + k for k in range(1, d)) * cost.seconds_per_kv_token
+    comp = cost.comp(p, d) - cost.seconds_per_token + p / 2 * cost.seconds_per_pair
+    assert result.makespan_s == pytest.approx(comp + mem + d * cost.step_fixed_s, rel=1e-9)
 
 
-def test_lone_request_with_overlap_costs_max_per_step() -> None:
-    p, d = 10000, 40
-    result = run_alone(p, d, overlap=True)
-    prefill = COST.step_compute_time(p)  # chunks of 8192 + 1808: linear, no KV read
-    decode = sum(max(COST.step_compute_time(1), COST.step_memory_time(p + k - 0.5))
-                 for k in range(1, d + 1))
-    assert result.makespan_s == pytest.approx(prefill + decode, rel=1e-9)
+def test_every_step_pays_the_weights_read_unless_idealised_away() -> None:
+    assert COST.step_fixed_s == pytest.approx(8.03e9 * 2 / 4.8e12, rel=1e-3)  # 3.3 ms
+    serial = COST.hardware.idealised(overlap=0.0)
+    real = run_alone(1000, 30, CostModel(COST.shape, serial))
+    ideal = run_alone(1000, 30, CostModel(COST.shape, serial.idealised(free_steps=True)))
+    assert real.makespan_s - ideal.makespan_s == pytest.approx(30 * COST.step_fixed_s, rel=1e-9)
+    overlapped = run_alone(1000, 30)  # the H200's own overlap hides part of it
+    assert ideal.makespan_s < overlapped.makespan_s < real.makespan_s
 
 
 def test_policy_prefill_budget_paces_chunks() -> None:
     entry = make_entry("a", tokens(1, 1000), 5)
     result = simulate([entry], OneAtATime([entry.request], budget=256), COST, SimConfig(10**6))
-    assert result.steps == 4 + 5  # 256 · 3 + 232, then five decode steps
+    assert result.steps == 4 + 4  # 256 · 3 + 232 (which samples token 1), then four decodes
     assert result.prefill_tokens == 1000
+
+
+def test_a_step_holds_at_most_max_step_tokens_decodes_included() -> None:
+    trace = random_trace(60, seed=2)
+    policy = make_policy("fcfs", [e.request for e in trace], kv_capacity_tokens=10**6)
+    result = simulate(trace, policy, COST, SimConfig(10**6, 256))
+    held = result.step_prefill_tokens + result.step_decoding
+    assert held.max() <= 256 and (held == 256).any()
 
 
 def test_prefix_hit_is_counted_and_lru_eviction_drops_it() -> None:
@@ -299,9 +331,10 @@ def test_dp_shards_cover_the_batch_once_and_the_slowest_sets_the_makespan(
     assert sum(s["requests"] for s in shards) == 300
     assert sum(s["output_tokens"] for s in shards) == sum(e.output_len for e in trace)
     assert report["makespan_s"] == max(s["makespan_s"] for s in shards)
-    assert report["optimal_makespan_s"] * 3 == pytest.approx(
-        COST.optimal_makespan(*run.trace_totals(trace, COST),
-                              report["max_prefix_sharing_ratio"]))
+    comp, mem = run.trace_totals(trace, COST)
+    s_min = max(s["min_steps"] for s in shards)
+    assert report["optimal_makespan_s"] == pytest.approx(
+        COST.optimal_makespan(comp / 3, mem / 3, report["max_prefix_sharing_ratio"], s_min))
 
 
 def test_per_step_records_add_up_and_go_to_csv(tmp_path: Path, capsys) -> None:
@@ -310,7 +343,9 @@ def test_per_step_records_add_up_and_go_to_csv(tmp_path: Path, capsys) -> None:
     policy = make_policy("dfs", [e.request for e in trace], kv_capacity_tokens=cap)
     result = simulate(trace, policy, COST, SimConfig(cap))
     assert result.step_prefill_tokens.sum() == result.prefill_tokens
-    assert result.step_decoding.sum() == result.output_tokens  # preemption recomputes by prefill
+    # the step that completes a prompt samples its first token; a preempted request's
+    # recompute samples one more, so each preemption saves one decode step
+    assert result.step_decoding.sum() == result.output_tokens - result.requests - result.preemptions
     assert result.step_kv_used.max() <= cap
     write_trace(tmp_path / "t.jsonl", trace)
     assert main([str(tmp_path / "t.jsonl"), "--policy", "dfs", "--kv-tokens", str(cap),

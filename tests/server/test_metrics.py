@@ -14,6 +14,9 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.engine import Engine, EngineConfig
+from runtime.loader import DEFAULT_MODEL, load_model
+from runtime.types import StepRecord
 from server.config import Settings
 from server.db import downgrade, make_engine, upgrade
 from server.engine_monitor import STEP_BUCKETS, EngineMonitor, snapshot_dir
@@ -44,6 +47,12 @@ def value(text: str, name: str, **labels: str) -> float | None:
     return found[0] if found else None
 
 
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    model = load_model(DEFAULT_MODEL, data_dir=live_process.REPO / "data")
+    return Engine(model, EngineConfig(max_batch_tokens=256, kv_memory_bytes=4 << 20))
+
+
 def _result(ok: bool, prompt: int, cached: int, output: int) -> LineResult:
     return LineResult(
         "c", 1, ok, {}, input_tokens=prompt, cached_tokens=cached, output_tokens=output
@@ -66,6 +75,7 @@ def test_monitor_counts_results_and_computes_windowed_rates(tmp_path: Path) -> N
         "prompt_tokens": 400,
         "cached_tokens": 160,
         "output_tokens": 40,
+        "sampled_tokens": 0,
     }
     assert snap["rates"]["requests_per_s"] == pytest.approx(2.5)
     assert snap["rates"]["prompt_tokens_per_s"] == pytest.approx(200.0)
@@ -79,15 +89,42 @@ def test_monitor_counts_results_and_computes_windowed_rates(tmp_path: Path) -> N
     assert idle["prefix_hit_ratio"] == pytest.approx(0.4)
 
 
+def _step(seconds: float, rows: int = 1) -> StepRecord:
+    return StepRecord(tokens=rows, rows=rows, pairs=0, kv_read=0, decodes=rows, seconds=seconds)
+
+
 def test_monitor_histogram_buckets_step_times(tmp_path: Path) -> None:
     monitor = EngineMonitor(tmp_path, "w")
-    for seconds in (0.0005, 0.003, 0.003, 0.2, 60.0):
-        monitor.on_step(seconds)
-    hist = monitor.snapshot()["step_seconds"]
+    monitor.observe_steps(_step(s, rows=2) for s in (0.0005, 0.003, 0.003, 0.2, 60.0))
+    snap = monitor.snapshot()
+    hist = snap["step_seconds"]
     assert hist["le"] == list(STEP_BUCKETS) and len(hist["counts"]) == len(STEP_BUCKETS) + 1
     assert sum(hist["counts"]) == 5 and hist["counts"][0] == 1 and hist["counts"][-1] == 1
     assert hist["counts"][STEP_BUCKETS.index(0.005)] == 2
     assert hist["sum"] == pytest.approx(60.2065)
+    assert snap["counters"]["sampled_tokens"] == 10
+
+
+def test_monitor_reads_each_logged_step_once_across_generate_calls(
+    tmp_path: Path, engine: Engine
+) -> None:
+    from runtime.types import EngineRequest, SamplingParams
+
+    monitor = EngineMonitor(tmp_path, "w")
+    monitor.attach(engine)
+    prompt = engine.tokenizer.encode("Count to three.", add_special_tokens=True)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    total = 0
+    for run in range(2):
+        outputs = engine.generate([EngineRequest(f"r{run}", prompt, params)])
+        for _ in outputs:
+            monitor.snapshot()  # mid-run reads must not count a step twice
+        total += len(engine.step_log)
+    snap = monitor.snapshot()
+    assert sum(snap["step_seconds"]["counts"]) == total >= 2 * 3
+    assert snap["counters"]["sampled_tokens"] == 2 * 3
+    assert snap["kv"]["capacity_tokens"] == engine.kv_capacity_tokens
+    assert snap["model"] == engine.model_name
 
 
 def test_monitor_publishes_atomically_and_removes_its_snapshot_on_close(tmp_path: Path) -> None:
@@ -185,7 +222,7 @@ def test_worker_snapshots_become_labelled_series_and_stale_ones_vanish(
     keyed: Settings, live_server_factory: Callable[[Settings], str]
 ) -> None:
     live = EngineMonitor(keyed.data_dir, "hostA:10:aa")
-    live.on_step(0.02)
+    live.observe_steps([_step(0.02)])
     live.on_result(_result(True, 50, 10, 5))
     live.publish()
     dead = EngineMonitor(keyed.data_dir, "hostB:11:bb", clock=lambda: time.time() - 600)
