@@ -119,7 +119,7 @@ def list_table(batches: Iterable[dict[str, Any]]) -> Table:
         "tokens in/out",
         "created",
     ):
-        table.add_column(column)
+        table.add_column(column, no_wrap=True)
     for b in batches:
         done, total = progress(b)
         counts = b.get("request_counts") or {}
@@ -266,6 +266,8 @@ class _LineWatch:
 
 def batches_main(args: argparse.Namespace) -> int:
     console = Console()
+    if not console.is_terminal:  # a pipe or a log: whole rows, never wrapped at 80 columns
+        console = Console(width=240)
     commands = {"list": cmd_list, "get": cmd_get, "watch": cmd_watch}
     try:
         return commands[args.verb](api_from(args), args, console)
