@@ -3,6 +3,7 @@ everything else (validation, unknown routes, crashes, a locked database) into it
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -61,11 +62,18 @@ def envelope(message: str, type: str, param: str | None, code: str | None) -> di
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """Messages may quote what a client sent, unpaired surrogates included: escape, never fail."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(err: APIError) -> JSONResponse:
     headers = dict(err.headers)
     if err.status in _NO_RETRY and "x-should-retry" not in headers:
         headers["x-should-retry"] = "false"  # the SDK retries 409; a retry cannot fix these
-    return JSONResponse(
+    return _AsciiJSONResponse(
         envelope(err.message, err.type, err.param, err.code),
         status_code=err.status,
         headers=headers,

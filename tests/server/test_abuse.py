@@ -227,3 +227,32 @@ def test_a_flooding_project_gets_429_with_retry_after_and_others_do_not(
 
 def test_rate_limits_are_off_by_default(api: httpx.Client) -> None:
     assert all(api.get("/v1/files").status_code == 200 for _ in range(100))
+
+
+# -- text that JSON allows and UTF-8 does not ------------------------------------------------------
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"metadata": {"k": "\\ud800"}}, "metadata.k"),
+        ({"metadata": {"\\udc00": "v"}}, "metadata"),
+        ({"endpoint": "\\ud800"}, "endpoint"),
+        ({"input_file_id": "file-\\udfff"}, "input_file_id"),
+    ],
+)
+def test_unpaired_surrogates_in_json_are_400_and_poison_nothing(
+    api: httpx.Client, fields: dict[str, object], param: str
+) -> None:
+    """Found while fuzzing: such metadata was stored, then every list of batches answered 500."""
+    import json
+
+    fid = upload(api, (batch_line("x") + "\n").encode()).json()["id"]
+    body = {
+        "input_file_id": fid,
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+        **fields,
+    }
+    raw = json.dumps(body).replace("\\\\u", "\\u")  # keep the escapes as JSON escapes
+    r = api.post("/v1/batches", content=raw, headers={"Content-Type": "application/json"})
+    assert_error(r, 400, code="invalid_value", param=param)
+    assert api.get("/v1/batches").status_code == 200
