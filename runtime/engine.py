@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.attention import AttentionBatch, make_backend
-from runtime.config import LoadedModel
+from runtime.config import LoadedModel, ModelConfig
 from runtime.errors import EngineFatalError
 from runtime.kv_cache import PagedKVPool, default_kv_memory_bytes
 from runtime.model import LlamaModel
@@ -110,7 +110,6 @@ class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *,
                  cost_model: CostModel | None = None) -> None:
         cfg = config or EngineConfig()
-        self.cost_model = cost_model  # the served model on this device, for the planner
         self.config = cfg
         self.tokenizer = model.tokenizer
         self.model_name = model.name
@@ -129,6 +128,12 @@ class Engine:
         self.attn = make_backend(cfg.attention_backend, self.pool, num_heads=mc.num_heads,
                                  scale=mc.head_dim**-0.5)
         self.sampler = Sampler()
+        # The planner's view of this model on this device: a measured profile's (set by the
+        # caller, see runtime/profile.py) or, unmeasured, the model's shape on a device that
+        # runs compute and memory one after the other (which this runtime does everywhere).
+        self.cost_model = cost_model or unmeasured_cost_model(mc, self.dtype)
+        self.profile_path: str | None = None  # where the measured profile came from
+        self.last_policy: AdmissionPolicy | None = None  # the policy of the latest generate()
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
         self._stats = EngineStats()
@@ -204,11 +209,12 @@ class Engine:
             from scheduler.policies import make_policy
 
             pol = make_policy(policy, plan_requests(), kv_capacity_tokens=self.kv_capacity_tokens,
-                              cost_model=self.cost_model)
+                              cost_model=self.cost_model, step_tokens=self.config.max_batch_tokens)
         else:
             pol = policy
             for _ in plan_requests():  # the caller built the policy: index the requests now
                 pass
+        self.last_policy = pol
         waiting: deque[_Seq] = deque()  # admitted, holding no pages
         running: list[_Seq] = []  # holding pages: prefilling or decoding
         try:
@@ -464,6 +470,17 @@ class Engine:
         pol.on_finish(g.req.id, max(len(c.token_ids) for c in g.choices if c is not None))
         return RequestOutput(g.req.id, len(g.req.prompt_token_ids), max(g.cached_tokens, 0),
                              tuple(c for c in g.choices if c is not None))
+
+
+def unmeasured_cost_model(config: ModelConfig, dtype: torch.dtype) -> CostModel:
+    """The served model's shape on a nominal device with no overlap: good for ratios (ρ, KV
+    need) and the planner's no-overlap mode, not for predicting seconds."""
+    from scheduler.cost_model import HardwareProfile, ModelShape
+
+    shape = ModelShape.from_hf_config(config.to_hf(str(dtype).removeprefix("torch.")),
+                                      name="served")
+    return CostModel(shape, HardwareProfile("unmeasured", flops=1e11, bandwidth=2e10,
+                                            batch_multiple=1, overlap=0.0))
 
 
 def _step_shape(batch: list[tuple[_Seq, int]]) -> tuple[int, int, int, int, int]:

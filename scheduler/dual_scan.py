@@ -1,19 +1,23 @@
-"""The `blend` admission policy: warm-up sampling, then a dual scan over the planned order.
+"""The `blend` admission policy: warm-up beside filler work, then a dual scan over the plan.
 
-Lifecycle: (1) admit the warm-up sample (estimate.py) and wait for their true lengths;
-(2) estimate the rest, sort and split (split.py) into one sequence, compute-heavy left,
-memory-heavy right; (3) each step the right cursor admits memory-heavy requests, longest first
-so long decodes start early, within M_R = M − M_L where M_L = M·(ρ_t − ρ_R)/(ρ_L − ρ_R) clamped
-to [0, M] (ρ over the leaves at each cursor that would fill M, ρ_t over what is left), and the
-left cursor admits compute-heavy requests as the prefill queue drains; (4) pacing. A step costs
-max(T_comp, T_mem), so compute under a step's memory time is free and compute beyond it is not:
-the prefill budget fills compute up to this step's KV-read time, or, while compute is the larger
-remainder, up to τ_c = remaining compute / the decode steps the longest remaining request still
-needs; the memory side admits while its steady-state read Σ(p + d̂/2) fits in
-max(remaining compute, remaining memory) / those steps. Work then ends with the longest decode,
-and no step is so long that long decodes crawl. DESIGN.md's per-side steady state
-C = N·p̄/d̄ is reported in `MemorySplit`; in the simulator it left steps compute-bound while
-decodes were young, so the budget follows the step's actual memory time instead.
+Lifecycle: (1) warm-up (warmup.py): a ~1% sample runs for its lengths while steps are filled
+with work that needs no estimate; (2) estimate the rest, sort and split (split.py) into one
+sequence, compute-heavy left, memory-heavy right; (3) admission and pacing, which depend on the
+device's overlap (CostModel.overlap):
+
+- Where compute and memory overlap (a GPU with two streams), the dual scan: each step the right
+  cursor admits memory-heavy requests, longest first so long decodes start early, within
+  M_R = M − M_L, M_L = M·(ρ_t − ρ_R)/(ρ_L − ρ_R) clamped to [0, M]; the left cursor admits
+  compute-heavy requests as the prefill queue drains. Pacing: a step's compute under its memory
+  time (KV reads + one weights read) costs only the non-overlapped share, so the prefill budget
+  fills compute up to that memory time, or to the critical-path pace (remaining compute / the
+  decode steps the longest request still needs) when that is larger; the memory side admits
+  while its steady-state read fits max(remaining compute, remaining memory + W·steps) / steps.
+  Steps stay balanced, and the work ends with the longest decode.
+- Where they do not overlap (this CPU runtime), mixing hides nothing: every step costs W plus
+  its compute plus its memory, so only the step count and the prefix sharing can change. The plan
+  keeps the sharing order (no splitting), puts the subtrees with the longest decodes first (they
+  set the step count), admits as far as the KV estimate allows, and never paces: full steps.
 """
 
 from __future__ import annotations
@@ -32,17 +36,19 @@ from scheduler.estimate import (
     estimate_output_lengths,
     length_dispersion,
     overrun_factor,
-    select_warmup_samples,
 )
 from scheduler.prefix_tree import PrefixTree
 from scheduler.split import Plan, build_plan
 from scheduler.types import PlanRequest, StepBudget
+from scheduler.warmup import plan_warmup, prior_lengths
 
 LEFT, RIGHT = 0, 1
 WINDOW_LEAVES = 256  # ρ at a cursor: over the leaves that would fill M, at most this many
 RIGHT_MAX_SHARE = 0.9  # the memory side reserves at most this share of the KV capacity
 PACE_LEAN = 0.05  # fill compute 5% past a step's memory time (or short of it, memory-bound)
 ROUND_ABOVE_MULTIPLES = 4  # steps of at least this many batch multiples are rounded to them
+MIN_BLEND_OVERLAP = 0.5  # below this share of overlap, keep the sharing order and full steps
+DEFAULT_STEP_TOKENS = 2048  # the executor's step cap when the caller does not say
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +117,7 @@ class BlendPolicy:
         sample_rate: float = 0.01,
         seed: int = 0,
         keep_sharing: float = 0.99,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
         self._reqs = list(requests)
         self._index = {r.id: i for i, r in enumerate(self._reqs)}
@@ -120,28 +127,34 @@ class BlendPolicy:
         self._cost = cost_model
         self._spt = cost_model.seconds_per_token
         self._skv = cost_model.seconds_per_kv_token
+        self._weights = cost_model.weights_read_s  # memory time every step spends on weights
         self._capacity = int(kv_capacity_tokens)
         self._keep = keep_sharing
+        self._step_tokens = max(int(step_tokens), 1)
+        self.blending = cost_model.overlap >= MIN_BLEND_OVERLAP
         self._max_tokens = np.array([r.max_tokens for r in self._reqs], dtype=np.int64)
         self._known = np.array(
             [-1 if r.known_output_len is None else r.known_output_len for r in self._reqs],
             dtype=np.int64,
         )
-        self._samples = [
-            int(i)
-            for i in select_warmup_samples(tree, self._known >= 0, rate=sample_rate, seed=seed)
-        ]
+        self._est = prior_lengths(self._max_tokens, self._known)
+        warm = plan_warmup(tree, self._max_tokens, self._known, rate=sample_rate, seed=seed,
+                           step_tokens=self._step_tokens)
+        self._samples = [int(i) for i in warm.samples]
+        self._filler = [int(i) for i in warm.filler]
+        self.deadline_steps = warm.deadline_steps  # plan by then, samples finished or not
+        self.predicted_steps = warm.predicted_steps
         self._warm_next = 0  # next sample to admit
+        self._fill_next = 0  # next filler request to consider
         self._warm_left = set(self._samples)  # samples not finished yet
         self._sample_lens: dict[int, int] = {}
+        self._started = np.zeros(len(self._reqs), dtype=bool)  # admitted (the plan skips them)
+        self._learned = 0  # sample lengths learned since the last plan
+        self.replans = 0  # plans rebuilt as censored samples finished
+        self._steps = 0  # steps seen (prefill_budget calls)
+        self.warmup_steps: int | None = None  # steps the warm-up took, once planned
+        self.censored = 0  # samples still running when the deadline made the plan
         self._plan: Plan | None = None
-        self._est = np.array(
-            [
-                min(r.max_tokens, DEFAULT_PRIOR) if k < 0 else k
-                for r, k in zip(self._reqs, self._known)
-            ],
-            dtype=np.float64,
-        )
         self._phi = 1.0  # E[d²]/d̂² (estimate.length_dispersion)
         self._overrun = 1.0  # critical-path allowance for overruns (estimate.overrun_factor)
         # Running requests: request -> [side, reserved KV, p, d̂, generated, d̂ allowing overrun].
@@ -156,27 +169,39 @@ class BlendPolicy:
         self._decoding = 0  # running requests that have reported progress (past their prefill)
         self._credit = 0.0  # prefill tokens owed to past steps by batch-multiple rounding
         self._withdrawn = False  # withdraw() took every request not yet admitted
-        if not self._warm_left:
+        if not self._samples:
             self._make_plan()
 
     # ---------------------------------------------------------------- planning
     def _make_plan(self) -> None:
-        idx = np.array(sorted(self._sample_lens), dtype=np.int64)
-        lens = np.array([self._sample_lens[i] for i in idx], dtype=np.float64)
+        """Estimate every request from the sample (censoring the ones still running), then order
+        and cost what has not started yet."""
+        lens_of = dict(self._sample_lens)
+        for i in self._warm_left:  # past the deadline: at least twice what it has so far
+            row = self._run.get(i)
+            g = int(row[4]) if row is not None else 0
+            lens_of[i] = int(corrected_estimate(0.0, max(g, 1), int(self._max_tokens[i])))
+        if self._plan is None:
+            self.censored = len(self._warm_left)
+            self.warmup_steps = self._steps
+        else:
+            self.replans += 1
+        self._learned = 0
+        idx = np.array(sorted(lens_of), dtype=np.int64)
+        lens = np.array([lens_of[i] for i in idx], dtype=np.float64)
         self._est = estimate_output_lengths(
             self._tree, self._max_tokens, self._known, idx, lens, prior=DEFAULT_PRIOR
         )
-        exclude = np.zeros(len(self._reqs), dtype=bool)
-        exclude[self._samples] = True
+        for i, row in self._run.items():  # running requests keep their own (larger) figure
+            self._est[i] = max(self._est[i], row[3])
+        exclude = self._started.copy()
         self._phi = length_dispersion(self._tree, idx, lens)
-        plan = build_plan(
-            self._tree,
-            self._est,
-            self._cost,
-            exclude=exclude,
-            keep_sharing=self._keep,
-            dispersion=self._phi,
-        )
+        if self.blending:
+            plan = build_plan(self._tree, self._est, self._cost, exclude=exclude,
+                              keep_sharing=self._keep, dispersion=self._phi)
+        else:  # sharing order, the subtrees with the longest decodes first
+            plan = build_plan(self._tree, self._est, self._cost, exclude=exclude, split=False,
+                              dispersion=self._phi, sibling_key=self._tree.subtree_max(self._est))
         self._plan = plan
         self._cum_need = np.concatenate(([0.0], np.cumsum(plan.computed + plan.output / 2.0)))
         self._cum_comp = np.concatenate(([0.0], np.cumsum(plan.comp)))
@@ -185,7 +210,8 @@ class BlendPolicy:
         self._cum_prompt = np.concatenate(([0.0], np.cumsum(plan.prompt)))
         self._cum_out = np.concatenate(([0.0], np.cumsum(plan.output)))
         self._overrun = overrun_factor(self._tree, idx, lens)
-        crit = np.minimum(plan.output * self._overrun, self._max_tokens[plan.order])
+        allowance = np.where(self._known[plan.order] >= 0, 1.0, self._overrun)
+        crit = np.minimum(plan.output * allowance, self._max_tokens[plan.order])
         self._max_out = _RangeMax(crit)  # decode steps the longest unadmitted request may need
         self._left, self._right = 0, len(plan)
 
@@ -255,7 +281,7 @@ class BlendPolicy:
         )
 
     def remaining(self, waiting_prefill_tokens: int) -> tuple[float, float, float]:
-        """(compute s, memory s, decode steps of the longest request) left in the plan and in flight."""
+        """(compute s, KV-read s, decode steps of the longest request) left in the plan and in flight."""
         lo, hi = self._left, self._right
         comp = (
             self._cum_comp[hi]
@@ -282,13 +308,16 @@ class BlendPolicy:
         self._rem_comp += sign * comp
         self._rem_mem += sign * mem
 
-    def _start(self, req: int, side: int, need: float) -> None:
+    def _start(self, req: int, side: int, need: float) -> PlanRequest:
+        self._started[req] = True
         d = float(self._est[req])
-        crit = min(d * self._overrun, float(self._max_tokens[req]))
+        known = self._known[req] >= 0
+        crit = d if known else min(d * self._overrun, float(self._max_tokens[req]))
         row = [float(side), need, float(self._reqs[req].prompt_len), d, 0.0, crit]
         self._run[req] = row
         self._account(row, 1.0)
         heapq.heappush(self._left_heap, (-crit, req, 0.0))
+        return self._reqs[req]
 
     def _longest_running(self) -> float:
         heap = self._left_heap
@@ -304,18 +333,28 @@ class BlendPolicy:
     def admit(self, budget: StepBudget) -> list[PlanRequest]:
         if self._withdrawn:
             return []
+        if self._plan is None and self._warm_next >= len(self._samples) and (
+                not self._warm_left or self._steps >= self.deadline_steps):
+            self._make_plan()  # every sample is in, or the deadline has come
         if self._plan is None:
             return self._admit_warmup(budget)
+        if not self.blending:
+            return self._admit_in_order(budget)
+        return self._admit_dual(budget)
+
+    def _admit_dual(self, budget: StepBudget) -> list[PlanRequest]:
         plan = self._plan
+        assert plan is not None
         capacity = float(budget.kv_capacity_tokens or self._capacity)
         split = self._split = (
             self.memory_split(capacity) if self._left < self._right else self._split
         )
         r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens)
-        # The memory side may read up to τ = max(remaining work) / critical-path steps per step:
-        # ahead of compute is free while compute is the larger remainder, and no faster than
-        # the longest decode allows while memory is.
-        read_budget = max(r_comp, r_mem) / steps / self._skv
+        # The memory side may read up to τ − W per step, τ = the larger remainder (weights read
+        # once a step included) over the critical-path steps: ahead of compute is free while
+        # compute is the larger remainder, and no faster than the longest decode allows.
+        tau = max(r_comp, r_mem + self._weights * steps) / steps
+        read_budget = max(tau - self._weights, 0.0) / self._skv
         queued = float(budget.waiting_prefill_tokens)
         free = float(budget.free_kv_tokens) - queued
         out: list[PlanRequest] = []
@@ -356,7 +395,7 @@ class BlendPolicy:
             self._cum_computed[hi] - self._cum_computed[lo], 1.0
         )
         pace = (
-            max(self._prefill_tokens(r_comp, r_mem, steps, self._decoding), 1.0)
+            max(self._prefill_tokens(r_comp, steps, self._decoding), 1.0)
             * prompt_per_computed
         )
         while self._left < self._right:
@@ -373,51 +412,80 @@ class BlendPolicy:
             free -= computed
         return out
 
+    def _admit_in_order(self, budget: StepBudget) -> list[PlanRequest]:
+        """No overlap: the plan's (sharing) order while the KV estimate Σ (computed + d̂/2) fits."""
+        plan = self._plan
+        assert plan is not None
+        capacity = float(budget.kv_capacity_tokens or self._capacity)
+        free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
+        used = self._used[LEFT] + self._used[RIGHT]
+        out: list[PlanRequest] = []
+        while self._left < self._right:
+            pos = self._left
+            need = float(plan.computed[pos] + plan.output[pos] / 2.0)
+            prompt = float(plan.prompt[pos])
+            if (self._run or out) and (used + need > capacity or prompt > free):
+                break
+            self._left += 1
+            out.append(self._take(pos, LEFT, need))
+            used += need
+            free -= prompt
+        return out
+
     def _take(self, pos: int, side: int, need: float) -> PlanRequest:
         assert self._plan is not None
-        req = int(self._plan.order[pos])
-        self._start(req, side, need)
-        return self._reqs[req]
+        return self._start(int(self._plan.order[pos]), side, need)
 
-    def _prefill_tokens(self, r_comp: float, r_mem: float, steps: float, decoding: int) -> float:
-        """Prefill tokens that fill the step's compute up to its memory time, or up to the
-        critical-path pace max(remaining compute / steps) when compute is the larger remainder."""
-        seconds = self._read * self._skv
-        # Steps vary; lean towards the larger remainder, whose extra work is never wasted.
-        if r_comp > r_mem:
-            seconds = max(seconds * (1.0 + PACE_LEAN), r_comp / steps)
-        else:
-            seconds *= 1.0 - PACE_LEAN
+    def _prefill_tokens(self, r_comp: float, steps: float, decoding: int) -> float:
+        """Prefill tokens that fill the step's compute up to its memory time (KV reads and the
+        weights read: compute under it is nearly free), or to the critical-path pace
+        (remaining compute / steps) when that is larger."""
+        memory = self._read * self._skv + self._weights
+        seconds = max(memory, r_comp / steps)
         return max(seconds / self._spt - decoding, 0.0)
 
     def _admit_warmup(self, budget: StepBudget) -> list[PlanRequest]:
+        """The sample first, then filler (known lengths, then sharing order) while the KV
+        estimate fits and less than a step of prefill is queued."""
         out: list[PlanRequest] = []
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
-        while self._warm_next < len(self._samples):
-            req = self._samples[self._warm_next]
-            r = self._reqs[req]
-            need = r.prompt_len + float(self._est[req]) / 2.0
-            alone = not self._run and not out
-            if not alone and (
-                sum(self._used) + need > budget.kv_capacity_tokens or r.prompt_len > free
-            ):
-                break
-            self._start(req, RIGHT, need)
-            free -= r.prompt_len
-            self._warm_next += 1
-            out.append(r)
+        queued = float(budget.waiting_prefill_tokens)
+        used = self._used[LEFT] + self._used[RIGHT]
+        for side, queue in ((RIGHT, self._samples), (LEFT, self._filler)):
+            while True:
+                nxt = self._warm_next if side == RIGHT else self._fill_next
+                if nxt >= len(queue):
+                    break
+                req = queue[nxt]
+                p = float(self._reqs[req].prompt_len)
+                need = p + float(self._est[req]) / 2.0
+                alone = not self._run and not out
+                if not alone and (used + need > budget.kv_capacity_tokens or p > free
+                                  or (side == LEFT and queued >= self._step_tokens)):
+                    break
+                if side == RIGHT:
+                    self._warm_next += 1
+                else:
+                    self._fill_next += 1
+                out.append(self._start(req, side, need))
+                used += need
+                free -= p
+                queued += p
         return out
 
     def prefill_budget(self, budget: StepBudget) -> int | None:
-        """This step's prefill tokens. A step big enough to be compute-bound carries a total
-        token count (decode + prefill) in batch multiples; a small one is exact (on a GPU it is
+        """This step's prefill tokens (None: as many as the executor's step holds). Paced only
+        when blending. A step big enough to be compute-bound carries a total token count
+        (decode + prefill) in batch multiples; a small one is exact (on a GPU it is
         weight-bound, so padding buys nothing). Rounding remainders carry over as credit, so
         the average rate is exact."""
-        if self._plan is None or self._read <= 0:
-            return None  # warm-up, or nothing decodes: no memory time to pace compute against
+        self._steps += 1
+        if not self.blending or self._plan is None or self._read <= 0:
+            return None  # full steps: no overlap to pace for, warm-up, or nothing decodes
         multiple = max(1, self._cost.hardware.batch_multiple)
         decoding = self._decoding
-        want = self._prefill_tokens(*self.remaining(budget.waiting_prefill_tokens), decoding)
+        r_comp, _, steps = self.remaining(budget.waiting_prefill_tokens)
+        want = self._prefill_tokens(r_comp, steps, decoding)
         if budget.waiting_prefill_tokens <= 0:
             self._credit = 0.0
             return int(want)
@@ -443,8 +511,11 @@ class BlendPolicy:
         if req in self._warm_left:
             self._warm_left.discard(req)
             self._sample_lens[req] = int(output_len)
-            if (self._plan is None and not self._withdrawn and not self._warm_left
-                    and self._warm_next >= len(self._samples)):
+            self._learned += 1
+            # Planned at the deadline with this sample censored: re-plan what has not started
+            # once a quarter of the censored samples (or the last of them) have finished.
+            if self._plan is not None and not self._withdrawn and self._left < self._right and (
+                    not self._warm_left or self._learned >= max(1, self.censored // 4)):
                 self._make_plan()
 
     def on_progress(self, request_id: str, generated: int) -> None:
@@ -478,8 +549,7 @@ class BlendPolicy:
             return []
         self._withdrawn = True
         if self._plan is None:
-            started = set(self._run) | set(self._sample_lens)
-            return [r for i, r in enumerate(self._reqs) if i not in started]
+            return [r for i, r in enumerate(self._reqs) if not self._started[i]]
         order = self._plan.order[self._left : self._right]
         self._left = self._right
         return [self._reqs[int(i)] for i in order]

@@ -121,8 +121,10 @@ def make_policy(
     cost_model: CostModel | None = None,
     sample_rate: float = 0.01,
     seed: int = 0,
+    step_tokens: int | None = None,
 ) -> AdmissionPolicy:
-    """Build a policy; `fcfs` streams `requests`, the others read them all to plan."""
+    """Build a policy; `fcfs` streams `requests`, the others read them all to plan.
+    `step_tokens` is the executor's step cap (blend paces and fills its warm-up by it)."""
     if name == "fcfs":
         return OrderedPolicy(requests, name="fcfs")
     if name not in POLICY_NAMES:
@@ -145,4 +147,5 @@ def make_policy(
         kv_capacity_tokens=kv_capacity_tokens,
         sample_rate=sample_rate,
         seed=seed,
+        **({} if step_tokens is None else {"step_tokens": step_tokens}),
     )

@@ -182,6 +182,24 @@ class PrefixTree:
         )
         return cum[self.leaf_hi] - cum[self.leaf_lo]
 
+    def subtree_max(self, per_request: np.ndarray) -> np.ndarray:
+        """[nodes] max of a per-request quantity over each node's subtree (sparse table)."""
+        vals = np.asarray(per_request, dtype=np.float64)[self.leaf_requests]
+        lo, hi = self.leaf_lo, self.leaf_hi
+        out = np.full(self.num_nodes, -np.inf)
+        if len(vals) == 0:
+            return out
+        levels = [vals]
+        while 2 ** len(levels) <= len(vals):
+            prev, w = levels[-1], 2 ** (len(levels) - 1)
+            levels.append(np.maximum(prev[:-w], prev[w:]))
+        width = np.maximum(hi - lo, 1)
+        k = np.floor(np.log2(width)).astype(np.int64)
+        for j in np.unique(k):
+            sel = np.flatnonzero((k == j) & (hi > lo))
+            out[sel] = np.maximum(levels[j][lo[sel]], levels[j][hi[sel] - (1 << j)])
+        return out
+
     def subtree_edge_tokens(self) -> np.ndarray:
         """[nodes] Σ edge lengths over each subtree, the node's own edge included."""
         cum = np.concatenate(([0], np.cumsum(self.edge_len)))

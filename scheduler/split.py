@@ -84,14 +84,15 @@ def build_plan(
     keep_sharing: float = DEFAULT_KEEP_SHARING,
     split: bool = True,
     dispersion: float = 1.0,
+    sibling_key: np.ndarray | None = None,
 ) -> Plan:
     """Sort, split and cost the requests not in `exclude` (a [requests] bool mask).
 
+    Siblings go in descending `sibling_key` order ([nodes]; default each subtree's ρ).
     `dispersion` = E[d²]/d̂² (estimate.length_dispersion) scales the d² term of Mem so that
     memory work is not under-counted when lengths vary around their estimates."""
     d_all = np.asarray(output_est, dtype=np.float64)
-    stats = tree.stats(d_all, cost)
-    order = sorted_dfs(tree, stats.rho)
+    order = sorted_dfs(tree, tree.stats(d_all, cost).rho if sibling_key is None else sibling_key)
     if exclude is not None:
         order = order[~np.asarray(exclude, dtype=bool)[order]]
     p = tree.prompt_lens[order].astype(np.float64)

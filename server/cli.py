@@ -1,4 +1,4 @@
-"""The `blendserve` command: serve, worker, migrate, run, batches.
+"""The `blendserve` command: serve, worker, migrate, run, profile, batches.
 Each subcommand imports only what it needs."""
 
 from __future__ import annotations
@@ -25,8 +25,22 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--errors", default=None, help="error JSONL (default: beside the output)")
     run.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
     run.add_argument("--policy", choices=["fcfs", "dfs", "blend"], default="blend")
-    run.add_argument("--max-batch-tokens", type=int, default=None)
+    run.add_argument("--max-step-tokens", "--max-batch-tokens", dest="max_batch_tokens", type=int,
+                     default=None, help="tokens (decode + prefill) an engine step holds at most "
+                                        "(default: BLENDSERVE_MAX_BATCH_TOKENS or 2048); every "
+                                        "policy takes it")
     run.add_argument("--kv-memory", type=int, default=None, help="KV cache budget in bytes")
+    run.add_argument("--device", default=None, help="auto (default) | cpu | cuda")
+    run.add_argument("--report", default=None,
+                     help="write the plan report here (JSON; a PNG of compute and memory time "
+                          "per step goes beside it)")
+
+    prof = sub.add_parser("profile", help="measure the served model's step time on this device")
+    prof.add_argument("--model", default=None, help="default: BLENDSERVE_MODEL")
+    prof.add_argument("--device", default=None, help="auto (default) | cpu | cuda")
+    prof.add_argument("--out", default=None,
+                      help="where to write it (default: the cache under DATA_DIR/profiles/, "
+                           "which the worker and `run` read)")
 
     batches = sub.add_parser("batches", help="list, watch or show batches on a running server")
     batches.add_argument("--base-url", default=None, help="default: OPENAI_BASE_URL, else local")
@@ -62,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.offline import run_main
 
         return run_main(args)
+    if args.command == "profile":
+        from server.offline import profile_main
+
+        return profile_main(args)
     if args.command == "batches":
         from server.batch_client import batches_main
 

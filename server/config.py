@@ -30,8 +30,12 @@ class Settings(BaseSettings):
     max_metadata_value_chars: int = 512
 
     # Engine
-    max_batch_tokens: int = 2048  # tokens (decode + prefill) per engine step
-    kv_memory_bytes: int | None = None  # None = the runtime's default budget
+    max_batch_tokens: int = Field(default=2048, ge=1)  # tokens (decode + prefill) per engine step
+    kv_memory_bytes: int | None = Field(default=None, ge=1)  # None = the runtime's default budget
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # Device profile for the planner: auto = cached under DATA_DIR/profiles or measured on first
+    # use; a path = that file (`blendserve profile --out`); none = do not measure
+    profile: str = "auto"
 
     # Abuse limits (server/limits.py, server/rate_limit.py)
     rate_limit_per_minute: int | None = Field(default=None, ge=1)  # per project; None = off
@@ -52,6 +56,13 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_choice(cls, v: str) -> str:
+        if v not in ("auto", "none") and not Path(v).expanduser().is_file():
+            raise ValueError(f"BLENDSERVE_PROFILE {v!r} is neither auto, none nor a file")
+        return v if v in ("auto", "none") else str(Path(v).expanduser().resolve())
 
     @model_validator(mode="after")
     def _refuse_open_server_off_loopback(self) -> Settings:

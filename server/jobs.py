@@ -189,14 +189,32 @@ def _run_lines(ctx: JobContext, batch: BatchRow) -> StopReason | None:
             len(done),
             batch.total,
         )
+    engine = ctx.engine()
+    finished: list[Any] = []
+    started = time.monotonic()
     results = run_lines(
-        pending, ctx.engine(), endpoint=batch.endpoint, policy=ctx.policy, should_stop=stop
+        pending, engine, endpoint=batch.endpoint, policy=ctx.policy, should_stop=stop,
+        finished=finished,
     )
     for result in results:
         if not journal.record(ctx.sessions, batch.id, ctx.worker_id, result, now=ctx.now()):
             return StopReason.INTERRUPTED  # claim lost: the new owner re-runs what we had in flight
         ctx.on_result(result)
+    _write_report(ctx, batch.id, engine, finished, time.monotonic() - started)
     return stop.reason
+
+
+def _write_report(ctx: JobContext, batch_id: str, engine: Engine, finished: list[Any],
+                  seconds: float) -> None:
+    """The plan report of this run (of what ran in it, after a resume); never fails the batch."""
+    from server.plan_report import build_report, report_path, write_report
+
+    try:
+        report = build_report(engine, ctx.policy, finished, wall_seconds=seconds)
+        write_report({"batch_id": batch_id, **report}, report_path(ctx.settings.data_dir, batch_id),
+                     engine)
+    except Exception:  # noqa: BLE001 - a report is a nicety; the batch's results are what count
+        log.exception("batch %s: could not write the plan report", batch_id)
 
 
 # --- finalizing -------------------------------------------------------------------------------

@@ -69,6 +69,10 @@ def _run(args: argparse.Namespace) -> int:
         raise _Fatal(f"bad BLENDSERVE_* settings: {exc}") from exc
     spec = args.model or settings.model
     engine = _make_engine(spec, settings, args)
+    report_path = Path(args.report) if args.report else None
+    if report_path is not None and not report_path.parent.is_dir():
+        raise _Fatal(f"no such directory for {report_path}")
+    finished: list[Any] | None = [] if report_path is not None else None
 
     # 3. Stream lines through validation and the pipeline; write each result as it finishes.
     stop = _StopFlag()
@@ -93,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
                     progress.add(ok=False, result=None)
 
         for result in run_lines(good_lines(), engine, endpoint=endpoint, policy=args.policy,
-                                should_stop=stop.is_set):
+                                should_stop=stop.is_set, finished=finished):
             f = out_f if result.ok else err_f
             f.write(encode_line(result.record))
             f.flush()
@@ -101,29 +105,59 @@ def _run(args: argparse.Namespace) -> int:
     if progress.failed == 0:
         errors.unlink(missing_ok=True)  # as the Batch API: no error file when nothing failed
 
-    # 4. One summary line.
+    # 4. One summary line, and the plan report when asked for.
     print(progress.summary(output, errors if progress.failed else None, stopped=stop.is_set()),
           file=sys.stderr)
+    if report_path is not None and finished is not None:
+        from server.plan_report import build_report, write_report
+
+        report = build_report(engine, args.policy, finished,
+                              wall_seconds=time.monotonic() - progress.started)
+        write_report(report, report_path, engine)
+        print(f"blendserve run: plan report: {report_path}", file=sys.stderr)
     return 130 if stop.is_set() else 0
 
 
 def _make_engine(spec: str, settings: Settings, args: argparse.Namespace) -> Engine:
-    from runtime.engine import Engine, EngineConfig  # imported late: `--help` stays fast
-    from runtime.loader import load_model
+    from server.engine_setup import EngineSetup, build_engine  # late: `--help` stays fast
 
     if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
-        raise _Fatal("--max-batch-tokens must be at least 1")
+        raise _Fatal("--max-step-tokens must be at least 1")
     if args.kv_memory is not None and args.kv_memory < 1:
         raise _Fatal("--kv-memory must be a positive number of bytes")
+    setup = EngineSetup(model=spec, max_batch_tokens=args.max_batch_tokens,
+                        kv_memory_bytes=args.kv_memory, device=args.device)
     try:
-        model = load_model(spec, data_dir=settings.data_dir)
+        return build_engine(settings, setup)
     except (OSError, ValueError, KeyError) as exc:
         raise _Fatal(f"cannot load model {spec!r}: {exc}") from exc
-    config = EngineConfig(
-        max_batch_tokens=args.max_batch_tokens or settings.max_batch_tokens,
-        kv_memory_bytes=args.kv_memory if args.kv_memory is not None else settings.kv_memory_bytes,
-    )
-    return Engine(model, config)
+
+
+def profile_main(args: argparse.Namespace) -> int:
+    """`blendserve profile`: measure the served model's step time here and write the profile."""
+    import json
+
+    from runtime.profile import cached_profile_path, measure, write_profile
+    from server.engine_setup import EngineSetup, build_engine
+
+    try:
+        settings = Settings()
+        engine = build_engine(settings, EngineSetup(model=args.model, device=args.device),
+                              with_profile=False)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"blendserve profile: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else cached_profile_path(settings.data_dir, engine)
+    print(f"blendserve profile: measuring {engine.model_name} on {engine.model.device} "
+          f"({str(engine.dtype).removeprefix('torch.')}) ...", file=sys.stderr)
+    profile = measure(engine)
+    write_profile(out, profile)
+    fit = profile["fit"]
+    print(json.dumps({"profile": str(out), **profile["step_model"],
+                      "fit_error": round(fit["mean_abs_rel_error"], 3),
+                      "calibration_error": round(fit["calibration_mean_abs_rel_error"], 3),
+                      "seconds": round(profile["seconds"], 1)}))
+    return 0
 
 
 def _bad_line_record(bad: BadLine) -> dict[str, Any]:

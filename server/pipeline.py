@@ -46,14 +46,18 @@ def run_lines(
     endpoint: str,
     policy: str,
     should_stop: Callable[[], bool] | None = None,
+    finished: list[tuple[EngineRequest, RequestOutput]] | None = None,
 ) -> Iterator[LineResult]:
     """Run every line through the engine and yield one LineResult per line as it finishes.
 
     With `should_stop` True the engine stops admitting: lines it never yielded were never run
     and get no LineResult (the caller writes batch_cancelled / batch_expired lines for them).
+    `finished`, when given, collects (request, output) of every request the engine ran (for
+    the plan report).
     """
     model = engine.model_name
     in_flight: dict[str, _InFlight] = {}  # engine request id (the line number) -> where it came from
+    sent: dict[str, EngineRequest] = {}  # the requests themselves, when `finished` wants them
     rejected: deque[LineResult] = deque()  # refused before reaching the engine, not yet yielded
 
     def requests() -> Iterator[EngineRequest]:
@@ -66,6 +70,8 @@ def run_lines(
                 problem = engine.check(request)
                 if problem is None:
                     in_flight[request.id] = _InFlight(item.custom_id, item.line)
+                    if finished is not None:
+                        sent[request.id] = request
                     yield request
                     continue
                 request = problem
@@ -75,6 +81,8 @@ def run_lines(
         while rejected:
             yield rejected.popleft()
         origin = in_flight.pop(output.id)
+        if finished is not None:
+            finished.append((sent.pop(output.id), output))
         yield _finished(origin, output, endpoint, model)
     while rejected:
         yield rejected.popleft()

@@ -251,3 +251,36 @@ class ModelList(BaseModel):
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
     model: str
+
+
+class PlanReport(BaseModel):
+    """BlendServe extension: how the planner ran a batch (`GET /v1/batches/{id}/report`)."""
+
+    model_config = {"extra": "allow"}
+
+    object: Literal["batch.report"] = "batch.report"
+    batch_id: str
+    policy: str = Field(description="Admission policy: fcfs, dfs or blend.")
+    mode: str | None = Field(description="blend's mode on this device (blend / sharing order).")
+    requests: int = Field(description="Requests this run finished (a resumed run: since resume).")
+    sampled: int = Field(description="Warm-up sample size.")
+    censored: int = Field(description="Samples still running when the warm-up deadline planned.")
+    warmup_steps: int | None
+    warmup_seconds: float = Field(description="Engine seconds until the plan was built.")
+    steps: int
+    engine_seconds: float = Field(description="Measured: the engine's steps, summed.")
+    wall_seconds: float = Field(description="Measured: the run from first to last request.")
+    step_model_seconds: float = Field(description="Predicted: the device profile over the steps as run.")
+    simulated_seconds: float | None = Field(
+        description="Predicted: the simulator replaying this batch with its true output lengths.")
+    prompt_tokens: int
+    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
+    output_tokens: int
+    output_tokens_per_s: float | None
+    tokens_per_s: float | None = Field(description="(prompt + output tokens) / wall seconds.")
+    preemptions: int
+    max_step_tokens: int
+    profile: dict[str, Any] = Field(description="The device profile the planner used.")
+    plan: dict[str, Any] | None = Field(description="Leaves split, sharing kept, ρ target.")
+    steps_png: str | None = Field(
+        default=None, description="Compute and memory time per step: GET .../report.png.")

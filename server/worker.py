@@ -189,25 +189,10 @@ class _Heartbeat:
 
 
 def load_engine(settings: Settings) -> Engine:
-    """The served model on the best device here, loaded once per worker process."""
-    import torch
+    """The served model on the best device here with its device profile, once per process."""
+    from server.engine_setup import build_engine
 
-    from runtime.engine import Engine, EngineConfig
-    from runtime.loader import load_model
-
-    started = time.monotonic()
-    model = load_model(settings.model, data_dir=settings.data_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = Engine(
-        model,
-        EngineConfig(
-            max_batch_tokens=settings.max_batch_tokens,
-            kv_memory_bytes=settings.kv_memory_bytes,
-            device=device,
-        ),
-    )
-    log.info("loaded %s on %s in %.1fs", engine.model_name, device, time.monotonic() - started)
-    return engine
+    return build_engine(settings)
 
 
 def choose_policy(name: str, engine: Engine) -> str:
@@ -219,7 +204,8 @@ def choose_policy(name: str, engine: Engine) -> str:
         if name not in POLICY_NAMES:
             raise ValueError(f"unknown policy {name!r}; known: {POLICY_NAMES}")
         probe = [PlanRequest("probe", (1, 2, 3), 4)]
-        make_policy(name, probe, kv_capacity_tokens=engine.kv_capacity_tokens)
+        make_policy(name, probe, kv_capacity_tokens=engine.kv_capacity_tokens,
+                    cost_model=engine.cost_model)
         return name
     except Exception as e:  # noqa: BLE001 - any failure means "not this policy"
         log.warning("policy %r unavailable (%s); using fcfs", name, e)

@@ -107,7 +107,8 @@ def run_trace(entries: Sequence[TraceEntry], cost: CostModel, cfg: RunConfig,
     requests = [e.request for e in entries]
     t0 = time.perf_counter()
     policy = make_policy(cfg.policy, requests, kv_capacity_tokens=cfg.kv_capacity_tokens,
-                         cost_model=cost, sample_rate=cfg.sample_rate, seed=cfg.seed)
+                         cost_model=cost, sample_rate=cfg.sample_rate, seed=cfg.seed,
+                         step_tokens=cfg.max_step_tokens)
     if cfg.plan_only:
         finish_planning(policy, entries, cfg.kv_capacity_tokens)
     plan_seconds = time.perf_counter() - t0

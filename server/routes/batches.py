@@ -9,6 +9,7 @@ import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
 from sqlalchemy import update
 
 from server.auth import ProjectDep
@@ -19,7 +20,8 @@ from server.models import BatchRow, BatchStatus
 from server.routes.deps import SessionDep, SettingsDep
 from server.routes.files import MAX_TTL_S, MIN_TTL_S, lookup_file
 from server.routes.pagination import page
-from server.schemas import Batch, BatchCreateRequest, BatchList, ErrorEnvelope
+from server.plan_report import report_path
+from server.schemas import Batch, BatchCreateRequest, BatchList, ErrorEnvelope, PlanReport
 
 log = logging.getLogger("blendserve.api")
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -248,6 +250,34 @@ def list_batches(
 @router.get("/{batch_id}", response_model=Batch, responses=_ERRORS)
 def retrieve_batch(batch_id: str, session: SessionDep, project: ProjectDep) -> Batch:
     return Batch.from_row(lookup_batch(session, project, batch_id))
+
+
+@router.get("/{batch_id}/report", response_model=PlanReport, responses=_ERRORS)
+def batch_report(batch_id: str, session: SessionDep, project: ProjectDep,
+                 settings: SettingsDep) -> Any:
+    """BlendServe extension: the batch's plan report (warm-up, steps, predicted vs measured
+    time, cached tokens, tokens/s), written when the batch's run ends."""
+    row = lookup_batch(session, project, batch_id)
+    path = report_path(settings.data_dir, row.id)
+    try:
+        return PlanReport.model_validate_json(path.read_bytes())
+    except (OSError, ValueError):
+        raise APIError(404, f"No plan report for batch '{row.id}' yet: it is written when the "
+                       "batch's run ends.", param="id", code="report_not_ready") from None
+
+
+@router.get("/{batch_id}/report.png", responses={
+    **_ERRORS, 200: {"content": {"image/png": {}}, "description": "PNG image"}},
+    response_class=FileResponse)
+def batch_report_png(batch_id: str, session: SessionDep, project: ProjectDep,
+                     settings: SettingsDep) -> FileResponse:
+    """BlendServe extension: compute and memory time per engine step of the batch's run."""
+    row = lookup_batch(session, project, batch_id)
+    path = report_path(settings.data_dir, row.id).with_suffix(".png")
+    if not path.is_file():
+        raise APIError(404, f"No plan plot for batch '{row.id}' yet: it is written when the "
+                       "batch's run ends.", param="id", code="report_not_ready")
+    return FileResponse(path, media_type="image/png")
 
 
 @router.post(

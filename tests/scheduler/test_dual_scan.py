@@ -68,15 +68,67 @@ def test_steady_state_prefill_replaces_finishers():
     assert steady_prefill(10_000, 100, 100) == pytest.approx(10_000 / 150)
 
 
-def test_warm_up_samples_run_first_and_the_plan_waits_for_them():
-    reqs = [make_request(50, prefix=[1] * 40) for _ in range(300)]
+def _warm_batch(n=1000, max_tokens=32):
+    # ~100 unique tokens + 32 out each in 256-token steps: ~400 predicted steps, a 20-step deadline
+    return [make_request(140, prefix=[1] * 40 if i % 2 else [2] * 30, max_tokens=max_tokens)
+            for i in range(n)]
+
+
+def _warm_policy(reqs, sample_rate=0.01):
+    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
+    return BlendPolicy(reqs, tree=tree, cost_model=h200_8b(), kv_capacity_tokens=200_000,
+                       sample_rate=sample_rate, step_tokens=256)
+
+
+def test_the_sample_runs_beside_filler_work_and_the_plan_waits_for_its_lengths():
+    reqs = _warm_batch()
+    pol = _warm_policy(reqs)
+    first = pol.admit(make_budget(200_000))
+    samples = set(pol.warmup_request_ids)
+    assert len(samples) == 10 and {r.id for r in first} == samples  # 1400 tokens queued
+    filler = pol.admit(make_budget(200_000, running=10))  # the queue drained: fill the step
+    assert filler and 256 <= sum(len(r.prompt_token_ids) for r in filler) < 256 + 140
+    assert not samples & {r.id for r in filler} and pol.plan is None
+    pol.prefill_budget(make_budget(200_000, running=len(first)))
+    first = first + filler
+    for r in first:
+        if r.id not in samples:
+            pol.on_finish(r.id, 7)
+    more = pol.admit(make_budget(200_000, running=10))
+    assert more and not samples & {r.id for r in more} and pol.plan is None
+    for r in first[:10]:
+        pol.on_finish(r.id, 20)
+    pol.admit(make_budget(200_000, running=len(more)))
+    assert pol.plan is not None and pol.warmup_steps == 1 and pol.censored == 0
+    started = {r.id for r in first + more}
+    planned = {reqs[i].id for i in pol.plan.order}
+    assert not planned & started and len(planned) + len(started) == len(reqs)
+    assert (pol.plan.output == 20).all()
+
+
+def test_the_plan_does_not_wait_past_the_deadline_for_a_long_sample():
+    reqs = _warm_batch()
+    pol = _warm_policy(reqs)
+    first = pol.admit(make_budget(200_000))
+    samples = set(pol.warmup_request_ids)
+    for step in range(1, 40):
+        pol.prefill_budget(make_budget(200_000, running=len(first)))
+        for r in first:
+            if r.id in samples:
+                pol.on_progress(r.id, step)
+        pol.admit(make_budget(200_000, running=len(first)))
+        if pol.plan is not None:
+            break
+    assert pol.plan is not None and pol.censored == 10
+    assert pol.warmup_steps == pol.deadline_steps <= 0.05 * pol.predicted_steps + 1
+    assert (pol.plan.output == 32).all()  # censored at g: at least 2g, capped by max_tokens
+
+
+def test_a_batch_too_small_for_sampling_to_pay_is_planned_at_once_from_the_prior():
+    reqs = [make_request(50, prefix=[1] * 40, max_tokens=100) for _ in range(300)]
     pol = _policy(reqs, sample_rate=0.02)
-    warm = pol.admit(make_budget())
-    assert {r.id for r in warm} == set(pol.warmup_request_ids) and len(warm) == 6
-    assert pol.plan is None and pol.admit(make_budget(running=6)) == []
-    for r in warm:
-        pol.on_finish(r.id, 42)
-    assert pol.plan is not None and (pol.plan.output == 42).all()
+    assert pol.planned and pol.warmup_request_ids == []
+    assert (pol.plan.output == 100).all()  # min(max_tokens, prior 256)
 
 
 def test_every_request_is_admitted_exactly_once_and_the_cursors_meet():
@@ -148,8 +200,9 @@ def test_prefill_budget_fills_compute_up_to_the_steps_memory_time():
         pol.on_progress(reqs[i].id, 4000)
     running = len(admitted)
     budget = pol.prefill_budget(make_budget(800_000, running=running, waiting=100_000))
-    read = pol.kv_read_tokens * cost.seconds_per_kv_token
-    expected = read / cost.seconds_per_token - running
+    # compute up to the step's memory time: its KV reads plus one read of the weights
+    memory = pol.kv_read_tokens * cost.seconds_per_kv_token + cost.weights_read_s
+    expected = memory / cost.seconds_per_token - running
     assert budget is not None and abs(budget - expected) <= 128
 
 

@@ -28,12 +28,17 @@ def free_port() -> int:
 
 
 def model_data_dir(root: Path) -> Path:
-    """`root/data` with the default model's cached conversion linked in (no 10 s re-convert)."""
+    """`root/data` with the default model's cached conversion linked in (no 10 s re-convert) and
+    the repo's device-profile cache (the worker measures a profile once, not once per test)."""
     data = root / "data"
     (data / "models").mkdir(parents=True, exist_ok=True)
     link = data / "models" / DEFAULT_MODEL
     if not link.exists():
         link.symlink_to(default_model_folder(REPO / "data").resolve())
+    profiles = REPO / "data" / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    if not (data / "profiles").exists():
+        (data / "profiles").symlink_to(profiles.resolve())
     return data
 
 

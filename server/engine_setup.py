@@ -1,0 +1,85 @@
+"""The engine as `blendserve run`, the worker and `blendserve profile` build it: the served model
+on the chosen device, and the planner's cost model from the device profile.
+
+The profile (runtime/profile.py) is the served model's step time measured on this device. It is
+read from BLENDSERVE_PROFILE when that names a file, else from the cache under DATA_DIR/profiles/
+(keyed by model, device, dtype and threads), else measured once (under a minute on a small CPU)
+and cached. `none` skips it: the planner then knows the model's shape but not the device's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from server.config import Settings
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
+
+log = logging.getLogger("blendserve.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSetup:
+    """What the caller asked for; None = the setting's value."""
+
+    model: str | None = None
+    max_batch_tokens: int | None = None
+    kv_memory_bytes: int | None = None
+    device: str | None = None
+
+
+def resolve_device(device: str) -> str:
+    """`auto`: CUDA when a GPU is visible, else the CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_engine(settings: Settings, setup: EngineSetup | None = None, *,
+                 with_profile: bool = True) -> Engine:
+    """Load the model, build the engine, and give it the device profile's cost model."""
+    from runtime.engine import Engine, EngineConfig
+    from runtime.loader import load_model
+
+    s = setup or EngineSetup()
+    started = time.monotonic()
+    model = load_model(s.model or settings.model, data_dir=settings.data_dir)
+    device = resolve_device(s.device or settings.device)
+    engine = Engine(model, EngineConfig(
+        max_batch_tokens=s.max_batch_tokens or settings.max_batch_tokens,
+        kv_memory_bytes=s.kv_memory_bytes if s.kv_memory_bytes is not None
+        else settings.kv_memory_bytes,
+        device=device,
+    ))
+    log.info("loaded %s on %s in %.1fs", engine.model_name, device, time.monotonic() - started)
+    if with_profile:
+        attach_profile(engine, settings)
+    return engine
+
+
+def attach_profile(engine: Engine, settings: Settings) -> dict[str, Any] | None:
+    """Set engine.cost_model from the profile the settings name (see the module docstring)."""
+    from runtime.profile import cost_model_from_profile, load_or_measure
+
+    choice = settings.profile
+    if choice == "none":
+        return None
+    if choice == "auto":
+        started = time.monotonic()
+        profile, path, fresh = load_or_measure(engine, settings.data_dir)
+        if fresh:
+            log.info("measured the device profile in %.1fs: %s", time.monotonic() - started, path)
+    else:
+        path = Path(choice)
+        profile = json.loads(path.read_text())
+    engine.cost_model = cost_model_from_profile(profile)
+    engine.profile_path = str(path)
+    return profile
