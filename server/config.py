@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     # Worker
     worker_poll_seconds: float = Field(default=0.5, gt=0)
     worker_stall_seconds: float = Field(default=60.0, gt=0)  # a claim idle this long is taken over
+    # A database/Redis outage or a full disk: retry a journal write this long before pausing the
+    # batch (it resumes when the dependency is back; it is never failed for an outage)
+    outage_retry_seconds: float = Field(default=30.0, ge=0)
 
     @field_validator("data_dir")
     @classmethod

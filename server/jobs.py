@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -21,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from server import journal
 from server.config import Settings
 from server.models import BatchRow, BatchStatus, FileRow
+from server.outage import is_outage, retry_outages
 from server.storage import FileStorage
 
 if TYPE_CHECKING:
@@ -160,7 +162,12 @@ class _StopCheck:
         if time.monotonic() < self._next_poll:
             return None
         self._next_poll = time.monotonic() + self.ctx.cancel_poll_seconds
-        batch = _load(self.ctx, self.batch_id)
+        try:
+            batch = _load(self.ctx, self.batch_id)
+        except Exception as e:
+            if not is_outage(e):
+                raise
+            return None  # the database is down: no news is no cancel; journaling waits for it
         if batch is None or batch.status == BatchStatus.CANCELLING:
             return StopReason.CANCELLED
         if batch.status != BatchStatus.IN_PROGRESS or batch.worker_id != self.ctx.worker_id:
@@ -197,7 +204,13 @@ def _run_lines(ctx: JobContext, batch: BatchRow) -> StopReason | None:
         finished=finished,
     )
     for result in results:
-        if not journal.record(ctx.sessions, batch.id, ctx.worker_id, result, now=ctx.now()):
+        recorded = retry_outages(  # a database restart costs a pause, not the work in flight
+            partial(journal.record, ctx.sessions, batch.id, ctx.worker_id, result, now=ctx.now()),
+            what=f"batch {batch.id}: journaling {result.custom_id}",
+            give_up_after_s=ctx.settings.outage_retry_seconds,
+            stop=ctx.interrupted,
+        )
+        if not recorded:
             return StopReason.INTERRUPTED  # claim lost: the new owner re-runs what we had in flight
         ctx.on_result(result)
     _write_report(ctx, batch.id, engine, finished, time.monotonic() - started)

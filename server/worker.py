@@ -26,6 +26,7 @@ from server.config import Settings
 from server.db import upgrade
 from server.engine_monitor import EngineMonitor
 from server.jobs import JobContext, fail_batch, run_batch
+from server.outage import is_outage, retry_outages
 from server.queue import BatchQueue, make_queue
 from server.storage import FileStorage
 
@@ -137,7 +138,13 @@ class Worker:
             self.monitor.running(batch_id)
             try:
                 terminal = run_batch(batch_id, ctx)
-            except Exception:
+            except Exception as e:
+                if is_outage(e):  # the database, Redis or the disk, not the batch: pause it
+                    log.warning("batch %s paused, a dependency is down (%s: %s); it resumes "
+                                "when it is back", batch_id, type(e).__name__, e)
+                    self._release_after_outage(batch_id)
+                    self.monitor.running(None)
+                    return False
                 log.exception("batch %s failed on a server error", batch_id)
                 try:
                     fail_batch(ctx, batch_id, INTERNAL_ERROR)
@@ -150,6 +157,20 @@ class Worker:
         except Exception:  # the claim then goes stale and is taken over
             log.exception("could not release batch %s", batch_id)
         return terminal
+
+    def _release_after_outage(self, batch_id: str) -> None:
+        """Hand the batch back once the database answers again (so it resumes at once, not after
+        the stall timeout); while it stays down past the stall timeout, the claim just lapses."""
+        try:
+            retry_outages(
+                lambda: self.queue.release(batch_id, self.worker_id, terminal=False),
+                what=f"releasing batch {batch_id}",
+                give_up_after_s=self.settings.worker_stall_seconds,
+                stop=self.stopping.is_set,
+                max_wait_s=self.settings.worker_poll_seconds * 4,
+            )
+        except Exception as e:  # noqa: BLE001 - still down: the claim goes stale and is taken over
+            log.warning("could not release batch %s yet (%s)", batch_id, e)
 
     def _heartbeat_seconds(self) -> float:
         return max(self.settings.worker_stall_seconds / 4, 0.05)
