@@ -160,14 +160,34 @@ def install_error_handlers(app: FastAPI) -> None:
         log.warning("database unavailable: %s", exc.orig)
         return _unavailable(exc)
 
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+    async def _dependency(_: Request, exc: Exception) -> JSONResponse:
+        """Handled here, not by the catch-all: that one re-raises into the server's log."""
         if is_outage(exc):  # the database or Redis is down, or the disk is full: retry later
             log.warning("dependency unavailable: %s: %s", type(exc).__name__, exc)
             return _unavailable(exc)
-        log.exception("unhandled error")  # the traceback goes to the log, never to the client
-        return error_response(
-            APIError(
-                500, "The server had an error while processing your request. Sorry about that!"
-            )
-        )
+        return _internal(exc)
+
+    for kind in _dependency_errors():
+        app.add_exception_handler(kind, _dependency)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        if is_outage(exc):
+            log.warning("dependency unavailable: %s: %s", type(exc).__name__, exc)
+            return _unavailable(exc)
+        return _internal(exc)
+
+
+def _internal(exc: Exception) -> JSONResponse:
+    log.error("unhandled error", exc_info=exc)  # the traceback goes to the log, never the client
+    return error_response(
+        APIError(500, "The server had an error while processing your request. Sorry about that!")
+    )
+
+
+def _dependency_errors() -> tuple[type[Exception], ...]:
+    """Exception types an outage raises (server/outage.py decides which instances are one)."""
+    import redis
+    import sqlalchemy.exc as sa_exc
+
+    return (OSError, sa_exc.DBAPIError, sa_exc.TimeoutError, redis.RedisError)
