@@ -240,9 +240,10 @@ def test_a_full_data_directory(small_disk: Path, tmp_path: Path, procs: list[Pro
         watch = Watch(c, _create(c, n), procs)
         watch.until(lambda b: b["request_counts"]["completed"] >= 3, "before the disk filled")
         ballast = _fill(small_disk)
-        full_until = time.monotonic() + 4
         refused = 0
-        while time.monotonic() < full_until:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while refused < 3 or not _worker_hit_the_full_disk(server):  # both sides feel it
+            assert time.monotonic() < deadline, server.tail()
             up = c.post(
                 "/v1/files", data={"purpose": "batch"}, files={"file": ("x.jsonl", _input(20))}
             )
@@ -257,8 +258,12 @@ def test_a_full_data_directory(small_disk: Path, tmp_path: Path, procs: list[Pro
         final = watch.until(lambda b: False, "after space came back")
         _exactly_once(c, final, n)
     assert watch.counts == sorted(watch.counts)
-    log = server.log.read_text()
-    assert "database or disk is full" in log or "No space left" in log  # the fault did bite
+
+
+def _worker_hit_the_full_disk(server: Server) -> bool:
+    """The worker tried to journal (or finalize) on the full disk and is waiting, not failing."""
+    log = server.log.read_text(errors="replace")
+    return "retrying in" in log or "paused, a dependency is down" in log
 
 
 # -- kill -9 of the worker, ten times ------------------------------------------------------------
