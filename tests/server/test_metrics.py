@@ -5,6 +5,7 @@ while a batch runs."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -344,3 +345,27 @@ def test_scraping_during_a_run_shows_tokens_per_second_and_kv_use_moving(tmp_pat
         == 20 * 20
     )
     assert value(text, "blendserve_project_requests", project="default", result="completed") == 20
+
+
+def test_the_grafana_dashboard_only_uses_metrics_that_exist(
+    keyed: Settings, live_server_factory: Callable[[Settings], str], engine: Engine
+) -> None:
+    db = make_engine(keyed)
+    seed_batch(keyed, db, [json.loads(batch_line("r"))])
+    db.dispose()
+    monitor = EngineMonitor(keyed.data_dir, "h:1:a")
+    monitor.attach(engine)
+    monitor.observe_steps([_step(0.01)])
+    monitor.publish()
+    base = live_server_factory(keyed)
+    auth = {"Authorization": "Bearer sk-bob-9876543210"}
+    httpx.get(f"{base}/v1/batches", headers=auth)
+    exposed = {name for name, _ in samples(httpx.get(f"{base}/metrics", headers=auth).text)}
+    dashboard = json.loads((live_process.REPO / "docker" / "grafana-dashboard.json").read_text())
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"blendserve_[a-z_]+", target["expr"])
+    }
+    assert used and used <= exposed, used - exposed
