@@ -120,6 +120,15 @@ messages = st.lists(
 prompts = st.one_of(texts, st.lists(st.integers(-5, 60_000), max_size=12), json_values)
 
 
+BOUNDED = settings(  # fixed examples, no shrink database: the same cases on every run
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(default_model: LoadedModel) -> Any:
     return default_model.tokenizer
@@ -160,13 +169,18 @@ def _run_sampler(req: EngineRequest, tokenizer: Any, data: Any) -> None:
             stop.result()
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+def _holds(endpoint: str, body: dict[str, Any], tokenizer: Any, data: Any) -> None:
+    """The property: a named 400/404, or a request in range that samples without raising."""
+    out = to_engine_request("r", endpoint, body, tokenizer, served_model="m", max_model_len=CONTEXT)
+    if isinstance(out, RequestError):
+        assert out.status_code in (400, 404) and out.message
+        assert _names_a_key(out.param, body), (out, body)
+    else:
+        _check_request(out, tokenizer.vocab_size)
+        _run_sampler(out, tokenizer, data)
+
+
+@BOUNDED
 @given(
     msgs=messages,
     sampling=params,
@@ -176,37 +190,15 @@ def _run_sampler(req: EngineRequest, tokenizer: Any, data: Any) -> None:
 def test_chat_bodies_become_valid_requests_or_named_400s(
     tokenizer: Any, msgs: list[Any], sampling: dict[str, Any], extra: dict[str, Any], data: Any
 ) -> None:
-    body = {**extra, "messages": msgs, **sampling}
-    out = to_engine_request("r", CHAT, body, tokenizer, served_model="m", max_model_len=CONTEXT)
-    if isinstance(out, RequestError):
-        assert out.status_code in (400, 404) and out.message
-        assert _names_a_key(out.param, body), (out, body)
-    else:
-        _check_request(out, tokenizer.vocab_size)
-        _run_sampler(out, tokenizer, data)
+    _holds(CHAT, {**extra, "messages": msgs, **sampling}, tokenizer, data)
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@BOUNDED
 @given(prompt=prompts, sampling=params, data=st.data())
 def test_completion_bodies_become_valid_requests_or_named_400s(
     tokenizer: Any, prompt: Any, sampling: dict[str, Any], data: Any
 ) -> None:
-    body = {"prompt": prompt, **sampling}
-    out = to_engine_request(
-        "r", COMPLETIONS, body, tokenizer, served_model="m", max_model_len=CONTEXT
-    )
-    if isinstance(out, RequestError):
-        assert out.status_code in (400, 404) and out.message
-        assert _names_a_key(out.param, body), (out, body)
-    else:
-        _check_request(out, tokenizer.vocab_size)
-        _run_sampler(out, tokenizer, data)
+    _holds(COMPLETIONS, {"prompt": prompt, **sampling}, tokenizer, data)
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-45, 1e-38])

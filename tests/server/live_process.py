@@ -21,6 +21,24 @@ REPO = Path(__file__).resolve().parents[2]
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
+def fixed_length_requests(n: int, prefix: str, max_tokens: int) -> bytes:
+    """A batch input file of `n` chat requests that each generate exactly `max_tokens` tokens;
+    custom_ids are `{prefix}-0` … `{prefix}-{n-1}`."""
+    from tests.server.conftest import batch_line
+
+    return "".join(
+        batch_line(
+            f"{prefix}-{i}",
+            f"Tell a long story about the number {i}.",
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            temperature=0,
+        )
+        + "\n"
+        for i in range(n)
+    ).encode()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,8 +16,15 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from tests.server.conftest import assert_error, batch_line
-from tests.server.live_process import TERMINAL, Proc, Server, free_port, model_data_dir
+from tests.server.conftest import assert_error
+from tests.server.live_process import (
+    TERMINAL,
+    Proc,
+    Server,
+    fixed_length_requests,
+    free_port,
+    model_data_dir,
+)
 from tests.server.scratch_services import ScratchPostgres, ScratchRedis
 
 pytestmark = pytest.mark.slow
@@ -33,17 +40,7 @@ HANG_GUARD_S = 600
 
 
 def _input(n: int, max_tokens: int = 6) -> bytes:
-    return "".join(
-        batch_line(
-            f"f-{i}",
-            f"Fault test request {i}.",
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            temperature=0,
-        )
-        + "\n"
-        for i in range(n)
-    ).encode()
+    return fixed_length_requests(n, "f", max_tokens)
 
 
 def _create(c: httpx.Client, n: int, max_tokens: int = 6) -> str:
@@ -101,6 +98,13 @@ class Watch:
         pytest.fail(f"{what}: hang guard\n" + "\n".join(p.tail() for p in self.procs))
 
 
+def _running(c: httpx.Client, n: int, procs: list[Proc]) -> Watch:
+    """A batch of `n` requests, once a few of them are journaled: the fault comes mid-run."""
+    watch = Watch(c, _create(c, n), procs)
+    watch.until(lambda b: b["request_counts"]["completed"] >= 3, "before the fault")
+    return watch
+
+
 def _exactly_once(c: httpx.Client, batch: dict[str, Any], n: int) -> None:
     assert batch["status"] == "completed", batch
     assert batch["request_counts"] == {"total": n, "completed": n, "failed": 0}
@@ -134,8 +138,7 @@ def test_postgresql_restarted_mid_batch(tmp_path: Path, procs: list[Proc]) -> No
         with httpx.Client(base_url=server.url, timeout=30) as c:
             server.wait_healthy(c)
             n = 20
-            watch = Watch(c, _create(c, n), procs)
-            watch.until(lambda b: b["request_counts"]["completed"] >= 3, "before the restart")
+            watch = _running(c, n, procs)
             pg.stop("immediate")
             down_until = time.monotonic() + 4
             while time.monotonic() < down_until:  # every answer while it is down: 503, not 500
@@ -173,8 +176,7 @@ def test_redis_restarted_empty_mid_batch(tmp_path: Path, procs: list[Proc]) -> N
             )
             procs.append(worker)
             n = 16
-            first = Watch(c, _create(c, n), procs)
-            first.until(lambda b: b["request_counts"]["completed"] >= 3, "before the restart")
+            first = _running(c, n, procs)
             redis_server.kill()
             second = Watch(c, _create(c, 4), procs)  # accepted while Redis is down: SQL has it
             assert c.get("/v1/batches").status_code == 200
@@ -237,8 +239,7 @@ def test_a_full_data_directory(small_disk: Path, tmp_path: Path, procs: list[Pro
     with httpx.Client(base_url=server.url, timeout=30) as c:
         server.wait_healthy(c)
         n = 20
-        watch = Watch(c, _create(c, n), procs)
-        watch.until(lambda b: b["request_counts"]["completed"] >= 3, "before the disk filled")
+        watch = _running(c, n, procs)
         ballast = _fill(small_disk)
         refused = 0
         deadline = time.monotonic() + HANG_GUARD_S

@@ -267,20 +267,6 @@ def test_metrics_still_answer_while_the_database_is_gone(
 
 
 # -- the whole thing: a real server, a real batch ------------------------------------------------
-def _chat_input(n: int, max_tokens: int) -> bytes:
-    return "".join(
-        batch_line(
-            f"m-{i}",
-            f"Write a long story about the number {i}.",
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            temperature=0,
-        )
-        + "\n"
-        for i in range(n)
-    ).encode()
-
-
 @pytest.mark.slow
 def test_scraping_during_a_run_shows_tokens_per_second_and_kv_use_moving(tmp_path: Path) -> None:
     data = live_process.model_data_dir(tmp_path)
@@ -300,7 +286,7 @@ def test_scraping_during_a_run_shows_tokens_per_second_and_kv_use_moving(tmp_pat
             fid = c.post(
                 "/v1/files",
                 data={"purpose": "batch"},
-                files={"file": ("m.jsonl", _chat_input(20, 20))},
+                files={"file": ("m.jsonl", live_process.fixed_length_requests(20, "m", 20))},
             ).json()["id"]
             batch = c.post(
                 "/v1/batches",
