@@ -23,8 +23,14 @@ from runtime.kv_cache import PagedKVPool, default_kv_memory_bytes
 from runtime.model import LlamaModel
 from runtime.radix_cache import RadixCache, RadixNode
 from runtime.sampler import Sampler, SamplingState, StopChecker
-from runtime.types import (Choice, EngineRequest, RequestError, RequestOutput, StepRecord,
-                           TokenLogprob)
+from runtime.types import (
+    Choice,
+    EngineRequest,
+    RequestError,
+    RequestOutput,
+    StepRecord,
+    TokenLogprob,
+)
 from scheduler.cost_model import CostModel
 from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
 
