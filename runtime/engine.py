@@ -23,8 +23,14 @@ from runtime.kv_cache import PagedKVPool, default_kv_memory_bytes
 from runtime.model import LlamaModel
 from runtime.radix_cache import RadixCache, RadixNode
 from runtime.sampler import Sampler, SamplingState, StopChecker
-from runtime.types import (Choice, EngineRequest, RequestError, RequestOutput, StepRecord,
-                           TokenLogprob)
+from runtime.types import (
+    Choice,
+    EngineRequest,
+    RequestError,
+    RequestOutput,
+    StepRecord,
+    TokenLogprob,
+)
 from scheduler.cost_model import CostModel
 from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
 
@@ -34,7 +40,7 @@ PROGRESS_EVERY = 16  # tokens between policy.on_progress calls for one request
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_batch_tokens: int = 2048  # tokens (decode + prefill) per step
-    kv_memory_bytes: int | None = None  # KV pool budget; None = 10% of RAM capped at 2 GiB
+    kv_memory_bytes: int | None = None  # KV pool budget; None = kv_cache.default_kv_memory_bytes
     page_size: int = 16  # tokens per KV page
     device: str = "cpu"
     dtype: str | torch.dtype | None = None  # None = bfloat16 on CPUs with AVX512-BF16/AMX, else fp32
@@ -117,7 +123,8 @@ class Engine:
         self.max_model_len = mc.max_position_embeddings
         self.dtype = resolve_dtype(cfg.dtype, cfg.device)
         self.model = LlamaModel(mc, model.weights, dtype=self.dtype, device=cfg.device, seed=cfg.seed)
-        budget = cfg.kv_memory_bytes if cfg.kv_memory_bytes is not None else default_kv_memory_bytes()
+        budget = (cfg.kv_memory_bytes if cfg.kv_memory_bytes is not None
+                  else default_kv_memory_bytes(cfg.device))
         per_page = PagedKVPool.bytes_per_page(num_layers=mc.num_layers, page_size=cfg.page_size,
                                               kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                                               dtype=self.dtype)

@@ -120,7 +120,12 @@ class Sampler:
 
 
 class StopChecker:
-    """Decides when one choice is finished and what its final token ids and text are."""
+    """Decides when one choice is finished and what its final token ids and text are.
+
+    Stop strings are matched against text decoded incrementally (a window of the last few
+    tokens per step, as vLLM's detokenizer does), so each token costs O(1), not a decode of the
+    whole output; the final text is decoded once, when the choice finishes.
+    """
 
     def __init__(self, params: SamplingParams, tokenizer: Tokenizer, eos_ids: Collection[int]) -> None:
         self.params = params
@@ -128,9 +133,11 @@ class StopChecker:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.max_stop = max((len(s) for s in params.stop), default=0)
         self.tokens: list[int] = []
-        self.text_len = 0  # length of decoded text last time (stop-string scan window)
+        self.text = ""  # decoded so far (incrementally; only kept when there are stop strings)
+        self._prefix = 0  # tokens[_prefix:_read] decode to the tail of `text` already appended
+        self._read = 0
         self.finish: FinishReason | None = None
-        self.stop_at: int | None = None  # char offset of a matched stop string
+        self.stop_at: int | None = None  # char offset of a matched stop string in `text`
         self.keep_tokens: int | None = None  # tokens to report (drops EOS / stop-string tail)
 
     def append(self, token: int) -> bool:
@@ -139,30 +146,47 @@ class StopChecker:
         if token in self.stop_ids:
             self.finish, self.keep_tokens = "stop", len(self.tokens) - 1
             return True
-        if self.params.stop:
-            text = self.tokenizer.decode(self.tokens)
-            start = max(0, self.text_len - self.max_stop)
-            hits = [p for p in (text.find(s, start) for s in self.params.stop) if p >= 0]
-            self.text_len = len(text)
-            if hits:
-                self.finish, self.stop_at = "stop", min(hits)
-                # report only tokens whose text lies wholly before the stop string
-                keep = len(self.tokens)
-                while keep > 0 and len(self.tokenizer.decode(self.tokens[:keep])) > self.stop_at:
-                    keep -= 1
-                self.keep_tokens = keep
-                return True
+        if self.params.stop and self._match_stop():
+            return True
         if len(self.tokens) >= self.params.max_tokens:
             self.finish = "length"
             return True
         return False
 
+    def _match_stop(self) -> bool:
+        before = len(self.text)
+        self.text += self._new_text()
+        start = max(0, before - self.max_stop + 1)
+        hits = [p for p in (self.text.find(s, start) for s in self.params.stop) if p >= 0]
+        if not hits:
+            return False
+        self.finish, self.stop_at = "stop", min(hits)
+        return True
+
+    def _new_text(self) -> str:
+        """The text the newest tokens add: decode a short window, minus what it decoded before;
+        nothing while the window ends inside a multi-byte character."""
+        dec = self.tokenizer.decode
+        window = dec(self.tokens[self._prefix :])
+        if window.endswith("\ufffd"):
+            return ""
+        seen = dec(self.tokens[self._prefix : self._read])
+        self._prefix, self._read = self._read, len(self.tokens)
+        return window[len(seen) :]
+
     def result(self) -> tuple[list[int], str, FinishReason]:
         """(token ids, text, finish reason) of a finished choice."""
-        assert self.finish is not None
-        ids = self.tokens if self.keep_tokens is None else self.tokens[: self.keep_tokens]
-        if self.stop_at is not None:
-            text = self.tokenizer.decode(self.tokens)[: self.stop_at]
-        else:
-            text = self.tokenizer.decode(ids)
-        return ids, text, self.finish
+        if self.finish is None:
+            raise RuntimeError("result() of a choice that has not finished")
+        if self.stop_at is None:
+            ids = self.tokens if self.keep_tokens is None else self.tokens[: self.keep_tokens]
+            return ids, self.tokenizer.decode(ids), self.finish
+        # A stop string: cut the text there, and report only tokens wholly before it.
+        dec = self.tokenizer.decode
+        full = dec(self.tokens)
+        found = [p for p in (full.find(s) for s in self.params.stop) if p >= 0]
+        cut = min(found) if found else self.stop_at
+        keep = len(self.tokens)
+        while keep > 0 and len(dec(self.tokens[:keep])) > cut:
+            keep -= 1
+        return self.tokens[:keep], full[:cut], self.finish

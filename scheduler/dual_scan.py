@@ -363,6 +363,11 @@ class BlendPolicy:
         # Keep a margin for the compute side: memory-side requests overrun their estimates, and
         # a compute side shut out of KV leaves steps memory-bound.
         m_right = min(split.mem_right, RIGHT_MAX_SHARE * capacity) if split is not None else 0.0
+        # What the executor really has free (estimates run short on long tails) must keep the
+        # compute side's share, or prefill stalls and steps go memory-bound.
+        keep_free = (1.0 - RIGHT_MAX_SHARE) * capacity
+        # Running requests will still grow by the decode tokens they are expected to produce.
+        growth = self._rem_comp / self._spt
         while self._left < self._right:
             pos = self._right - 1
             computed, d, p = (
@@ -376,11 +381,12 @@ class BlendPolicy:
                 self._used[RIGHT] + need > m_right
                 or used_total + need > capacity
                 or self._avg_read + p + d / 2.0 > read_budget
-                or computed > free
+                or computed + d + growth + keep_free > free
             ):
                 break
             self._right -= 1
             out.append(self._take(pos, RIGHT, need))
+            growth += d
             used_total += need
             queued += computed
             free -= computed

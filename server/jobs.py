@@ -226,7 +226,7 @@ def _write_report(ctx: JobContext, batch_id: str, engine: Engine, finished: list
         report = build_report(engine, ctx.policy, finished, wall_seconds=seconds)
         write_report({"batch_id": batch_id, **report}, report_path(ctx.settings.data_dir, batch_id),
                      engine)
-    except Exception:  # noqa: BLE001 - a report is a nicety; the batch's results are what count
+    except Exception:
         log.exception("batch %s: could not write the plan report", batch_id)
 
 

@@ -17,10 +17,10 @@ from server.config import Settings
 from server.errors import APIError, bad_request, not_found
 from server.ids import new_batch_id
 from server.models import BatchRow, BatchStatus
+from server.plan_report import report_path
 from server.routes.deps import SessionDep, SettingsDep
 from server.routes.files import MAX_TTL_S, MIN_TTL_S, lookup_file
 from server.routes.pagination import page
-from server.plan_report import report_path
 from server.schemas import Batch, BatchCreateRequest, BatchList, ErrorEnvelope, PlanReport
 
 log = logging.getLogger("blendserve.api")

@@ -1,21 +1,77 @@
-"""The measured hardware profile the runtime writes is one the scheduler's cost model reads."""
+"""The device profile: the step-time fit, a real measurement on a tiny model, and its cache."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.profile import main
-from scheduler.cost_model import CostModel, HardwareProfile, ModelShape
+import pytest
+
+from runtime.profile import (
+    FEATURES,
+    Sample,
+    cached_profile_path,
+    cost_model_from_profile,
+    fit,
+    load_or_measure,
+    measure,
+    predict,
+    step_shapes,
+    write_profile,
+)
+from scheduler.cost_model import HardwareProfile
+from tests.runtime.test_engine import make_engine
+
+TRUE = {"step_fixed_s": 0.05, "s_per_token": 2e-3, "s_per_row": 1e-3, "s_per_pair": 5e-7,
+        "s_per_kv_token": 1e-5}
 
 
-def test_written_profile_loads_into_the_cost_model(tmp_path: Path) -> None:
-    out = tmp_path / "hw.json"
-    assert main(["-o", str(out), "--device", "cpu", "--dtype", "float32", "--seconds", "0.01",
-                 "--kv-memory", str(1 << 30)]) == 0
+def _samples(noise: dict[int, float] | None = None) -> list[Sample]:
+    out = []
+    for i, (q, k) in enumerate(step_shapes(10**6)):
+        s = Sample.of(q, k, 0.0)
+        t = predict(TRUE, s) * (noise or {}).get(i, 1.0)
+        out.append(Sample(s.tokens, s.rows, s.pairs, s.kv_read, t))
+    return out
 
-    hw = HardwareProfile.from_json(out)
-    assert hw.flops > 1e8 and hw.bandwidth > 1e8  # a real measurement, not zeros
-    assert hw.kv_capacity_bytes == 1 << 30
 
-    cost = CostModel(ModelShape.named("smollm2-135m"), hw)
-    assert cost.comp(100, 10) > 0 and cost.mem(100, 10) > 0
+def test_the_fit_recovers_an_exact_step_model() -> None:
+    coef, err = fit(_samples())
+    assert err < 1e-9
+    for name in FEATURES:
+        assert coef[name] == pytest.approx(TRUE[name], rel=1e-6)
+
+
+def test_one_timing_disturbed_by_other_load_does_not_bend_the_fit() -> None:
+    coef, _ = fit(_samples({3: 3.0}))
+    for name in ("step_fixed_s", "s_per_token", "s_per_kv_token"):
+        assert coef[name] == pytest.approx(TRUE[name], rel=1e-6)
+
+
+def test_step_shapes_count_decode_reads_and_prefill_pairs() -> None:
+    s = Sample.of([1, 1, 4], [10, 20, 6], 0.0)  # two decodes, a 4-token chunk over 2 cached
+    assert (s.tokens, s.rows, s.kv_read, s.pairs) == (6, 3, 30, 4 * 2 + 10)
+
+
+def test_a_measured_profile_loads_into_the_cost_model(tmp_path: Path) -> None:
+    engine = make_engine(pages=4096, max_batch_tokens=512)
+    profile = measure(engine, reps=1)
+    assert profile["overlap"] == 0.0 and profile["device"] == "cpu"
+    assert profile["step_model"]["s_per_token"] > 0 and profile["step_model"]["s_per_kv_token"] > 0
+    assert profile["fit"]["calibration_steps"] > 5
+    path = write_profile(tmp_path / "p.json", profile)
+    hw = HardwareProfile.from_json(path)
+    assert hw.measured is not None and hw.overlap == 0.0 and hw.batch_multiple == 1
+    cost = cost_model_from_profile(profile)
+    assert cost.shape.layers == engine.model.config.num_layers
+    assert cost.step_fixed_s == pytest.approx(profile["step_model"]["step_fixed_s"])
+    assert cost.kv_capacity_tokens == engine.kv_capacity_tokens
+
+
+def test_the_profile_is_measured_once_and_cached_by_model_device_dtype_threads(
+        tmp_path: Path) -> None:
+    engine = make_engine(pages=4096, max_batch_tokens=512)
+    first, path, fresh = load_or_measure(engine, tmp_path)
+    assert fresh and path == cached_profile_path(tmp_path, engine) and path.is_file()
+    assert path.name.startswith("tiny-cpu-float32-t")
+    again, path2, fresh2 = load_or_measure(engine, tmp_path)
+    assert not fresh2 and path2 == path and again == first

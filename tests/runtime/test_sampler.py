@@ -72,3 +72,25 @@ def test_eos_stops_unless_ignored_and_max_tokens_gives_length() -> None:
     assert stop.result()[2] == "length"
     stop = StopChecker(SamplingParams(max_tokens=5, stop_token_ids=(9,)), WordTokenizer(50), {0})
     assert stop.append(9) and stop.result()[0] == []
+
+
+def test_stop_strings_are_checked_without_decoding_the_whole_output_each_token() -> None:
+    from runtime.sampler import StopChecker
+    from tests.runtime.factories import WordTokenizer
+
+    class Counting(WordTokenizer):
+        decoded = 0
+
+        def decode(self, ids, skip_special_tokens=True):  # type: ignore[no-untyped-def]
+            Counting.decoded += len(ids)
+            return super().decode(ids, skip_special_tokens)
+
+    tok = Counting(1000)
+    checker = StopChecker(SamplingParams(max_tokens=2000, stop=("w999 w7",)), tok, {0})
+    n = 0
+    while not checker.append(7 if n == 1500 else 999 if n == 1499 else 5 + n % 50):
+        n += 1
+    assert n == 1500 and checker.finish == "stop"
+    assert Counting.decoded < 10 * n  # linear in the output; a full re-decode would be ~n²/2
+    ids, text, _ = checker.result()
+    assert text.endswith("w53 ") and "w999" not in text and ids[-1] == 53

@@ -29,6 +29,7 @@ def make_test_settings(data_dir: Path, **overrides: Any) -> Settings:
         "api_keys": None,
         "host": "127.0.0.1",
         "model": "smollm2-135m-instruct",
+        "profile": "none",  # a worker that loads its own engine does not measure the device
     }
     fields.update(overrides)
     return Settings(**fields)

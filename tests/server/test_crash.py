@@ -23,6 +23,7 @@ from tests.server.live_process import REPO, TERMINAL, free_port
 LINES = 30
 ENV = {
     "BLENDSERVE_POLICY": "fcfs",
+    "BLENDSERVE_PROFILE": "none",  # no device measurement in a test's fresh data dir
     "BLENDSERVE_KV_MEMORY_BYTES": str(8 << 20),  # ~7 requests at a time: several waves
     "BLENDSERVE_WORKER_POLL_SECONDS": "0.1",
 }

@@ -23,6 +23,7 @@ def model_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     data = os.environ.get("BLENDSERVE_DATA_DIR") or str(REPO_ROOT / "data")
     monkeypatch.setenv("BLENDSERVE_DATA_DIR", data)
     monkeypatch.setenv("BLENDSERVE_KV_MEMORY_BYTES", str(32 << 20))
+    monkeypatch.setenv("BLENDSERVE_PROFILE", "none")  # tests/runtime/test_profile.py measures
 
 
 def request(custom_id: Any, url: str = CHAT, **body: Any) -> str:
@@ -161,3 +162,40 @@ def test_missing_output_directory_exits_2(tmp_path: Path, capsys: pytest.Capture
     source.write_text(request("a") + "\n")
     assert main(["run", str(source), "-o", str(tmp_path / "no" / "out.jsonl")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_writes_the_plan_report_and_its_plot(tmp_path: Path) -> None:
+    system = {"role": "system", "content": "You answer in one word. " * 12}
+    lines = [request(f"q{i}", max_tokens=4, ignore_eos=True,
+                     messages=[system, {"role": "user", "content": f"Name colour {i}."}])
+             for i in range(6)]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    report_path = tmp_path / "plan.json"
+    assert main(["run", str(source), "-o", str(tmp_path / "out.jsonl"), "--report",
+                 str(report_path), "--max-step-tokens", "256"]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["policy"] == "blend" and report["mode"] == "sharing order, full steps"
+    assert report["requests"] == 6 and report["output_tokens"] == 24
+    assert report["max_step_tokens"] == 256 and report["steps"] >= 4
+    assert report["cached_tokens"] >= 5 * 48  # the shared system prompt, computed once
+    assert report["engine_seconds"] > 0 and report["simulated_seconds"] > 0
+    png = report_path.with_suffix(".png")
+    assert report["steps_png"] == png.name and png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_run_refuses_a_step_cap_below_one(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(request("a") + "\n")
+    assert main(["run", str(source), "-o", str(tmp_path / "o.jsonl"), "--max-step-tokens", "0"]) == 2
+    assert "--max-step-tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_device_auto_is_the_cpu_without_a_gpu() -> None:
+    import torch
+
+    from server.engine_setup import resolve_device
+
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"

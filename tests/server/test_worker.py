@@ -476,3 +476,33 @@ def test_a_worker_on_the_redis_queue_runs_and_acks_a_batch(settings, db, engine,
     finally:
         queue.redis.delete(queue.stream)
         queue.close()
+
+
+def test_a_finished_batch_has_a_plan_report_and_plot(live_server_factory, settings, db,
+                                                     engine) -> None:
+    import httpx
+    from openai import OpenAI
+
+    base = live_server_factory(settings)
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    data = b"".join(json.dumps(chat_line(i)).encode() + b"\n" for i in range(3))
+    upload = client.files.create(file=("in.jsonl", data), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint=ENDPOINT,
+                                  completion_window="24h")
+    missing = httpx.get(f"{base}/v1/batches/{batch.id}/report")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "report_not_ready"
+    worker = Worker(settings, engine=engine)
+    assert worker.run(until_idle=True) == 0
+    worker.close()
+    assert client.batches.retrieve(batch.id).status == "completed"
+    report = httpx.get(f"{base}/v1/batches/{batch.id}/report").json()
+    assert report["object"] == "batch.report" and report["batch_id"] == batch.id
+    assert report["requests"] == 3 and report["steps"] > 0 and report["output_tokens"] > 0
+    assert report["prompt_tokens"] >= report["cached_tokens"] >= 0
+    assert report["engine_seconds"] > 0 and report["simulated_seconds"] > 0
+    png = httpx.get(f"{base}/v1/batches/{batch.id}/report.png")
+    assert png.status_code == 200 and png.headers["content-type"] == "image/png"
+    assert png.content.startswith(b"\x89PNG")
+    other = httpx.get(f"{base}/v1/batches/batch_nope/report")
+    assert other.status_code == 404 and other.json()["error"]["param"] == "id"

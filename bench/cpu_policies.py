@@ -1,0 +1,132 @@
+"""`blendserve run` policy by policy on this machine, and the simulator's prediction of each run.
+
+For each workload of bench/cpu_workloads.py (chat, long_short, low_sharing) it runs, one after
+the other in this process's machine: `blend` with the default flags (what a user gets), then
+`fcfs` and `dfs` at each step cap of --caps (`--max-step-tokens`). Every run writes its plan
+report (`--report`); the table shows the run's wall time (first request in to last result out,
+model load excluded), output tokens/s, cached prompt tokens and steps, blend against the best
+baseline, and the simulator's prediction of each run from the measured device profile.
+
+The prediction is the simulator CLI itself: the workload becomes a trace (prompt token ids with
+the chat template applied, the output lengths the run produced) and
+`python -m scheduler.simulate TRACE --hardware PROFILE --policy P --max-step-tokens N --kv-tokens K`
+replays it.
+
+    python bench/cpu_policies.py                          # all three workloads (~30 min)
+    python bench/cpu_policies.py --workloads chat --caps 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+from bench import cpu_workloads
+
+BLENDSERVE = str(Path(sys.executable).with_name("blendserve"))
+
+
+def run_one(inp: Path, out_dir: Path, policy: str | None, cap: int | None) -> dict[str, Any]:
+    """One `blendserve run`; returns its plan report plus the process's own wall time."""
+    tag = f"{inp.stem}-{policy or 'default'}-{cap or 'default'}"
+    report = out_dir / f"{tag}.report.json"
+    cmd = [BLENDSERVE, "run", str(inp), "-o", str(out_dir / f"{tag}.out.jsonl"), "--report", str(report)]
+    if policy:
+        cmd += ["--policy", policy]
+    if cap:
+        cmd += ["--max-step-tokens", str(cap)]
+    started = time.monotonic()
+    subprocess.run(cmd, check=True, cwd=ROOT, stderr=subprocess.DEVNULL)
+    data = json.loads(report.read_text())
+    data["process_seconds"] = time.monotonic() - started
+    data["output_file"] = str(out_dir / f"{tag}.out.jsonl")
+    data["label"] = f"{policy or 'blend (default flags)'}" + (f" @{cap}" if cap else "")
+    return data
+
+
+def write_trace(inp: Path, output_file: Path, trace: Path) -> None:
+    """The workload as a simulator trace: chat-templated prompt ids, the run's output lengths."""
+    from runtime.loader import DEFAULT_MODEL, load_model
+    from runtime.openai_adapter import to_engine_request
+
+    model = load_model(DEFAULT_MODEL, data_dir=ROOT / "data")
+    produced = {}
+    for line in output_file.read_text().splitlines():
+        rec = json.loads(line)
+        produced[rec["custom_id"]] = rec["response"]["body"]["usage"]["completion_tokens"]
+    with trace.open("w") as f:
+        for raw in inp.read_text().splitlines():
+            item = json.loads(raw)
+            req = to_engine_request(item["custom_id"], item["url"], item["body"], model.tokenizer,
+                                    served_model=model.name, max_model_len=8192)
+            if isinstance(req, Exception) or not hasattr(req, "prompt_token_ids"):
+                continue
+            f.write(json.dumps({"id": item["custom_id"], "prompt_token_ids": list(req.prompt_token_ids),
+                                "output_len": max(produced[item["custom_id"]], 1),
+                                "max_tokens": req.params.max_tokens,
+                                "ignore_eos": bool(req.params.ignore_eos)}) + "\n")
+
+
+def simulate(trace: Path, report: dict[str, Any], policy: str) -> float:
+    """The simulator CLI's makespan for this run: same profile (its KV capacity and model shape
+    included), same policy, same step cap."""
+    cmd = [sys.executable, "-m", "scheduler.simulate", str(trace), "--policy", policy,
+           "--hardware", report["profile"]["path"],
+           "--max-step-tokens", str(report["max_step_tokens"]), "--json"]
+    out = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    return float(json.loads(out)["makespan_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(cpu_workloads.WORKLOADS))
+    ap.add_argument("--caps", default="512,2048,8192", help="step caps of the fcfs/dfs baselines")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "cpu")
+    ap.add_argument("--json-out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    paths = cpu_workloads.write(args.out)
+    caps = [int(c) for c in args.caps.split(",") if c]
+    results: dict[str, list[dict[str, Any]]] = {}
+    for name in args.workloads.split(","):
+        inp = paths[name]
+        runs = [run_one(inp, args.out, None, None)]
+        for policy in ("fcfs", "dfs"):
+            runs += [run_one(inp, args.out, policy, cap) for cap in caps]
+        trace = args.out / f"{name}.trace.jsonl"
+        write_trace(inp, Path(runs[0]["output_file"]), trace)
+        for r in runs:
+            r["predicted_seconds"] = simulate(trace, r, r["policy"])
+        results[name] = runs
+        print_table(name, runs)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def print_table(name: str, runs: list[dict[str, Any]]) -> None:
+    blend, base = runs[0], runs[1:]
+    best = min(base, key=lambda r: r["wall_seconds"])
+    print(f"\n### {name}: {blend['requests']} requests, {blend['prompt_tokens']} prompt tokens, "
+          f"{blend['output_tokens']} output tokens\n")
+    print("| policy | wall s | output tok/s | cached tokens | steps | predicted s | error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in runs:
+        err = r["predicted_seconds"] / r["wall_seconds"] - 1
+        print(f"| {r['label']} | {r['wall_seconds']:.1f} | {r['output_tokens_per_s']:.1f} | "
+              f"{r['cached_tokens']} | {r['steps']} | {r['predicted_seconds']:.1f} | {err:+.1%} |")
+    print(f"\nblend vs best baseline ({best['label']}): "
+          f"{best['wall_seconds'] / blend['wall_seconds']:.3f}x wall, cached tokens "
+          f"{blend['cached_tokens']} vs {best['cached_tokens']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
