@@ -310,7 +310,7 @@ def test_worker_killed_at_ten_points_in_a_loop(tmp_path: Path, procs: list[Proc]
         with httpx.Client(base_url=api.url, timeout=30) as c:
             api.wait_healthy(c)
             n = 36
-            watch = Watch(c, _create(c, n), [api])
+            watch = Watch(c, _create(c, n, max_tokens=2), [api])
             env = {"BLENDSERVE_DATA_DIR": str(data), **FAST}
             for i, (point, amount) in enumerate(KILL_POINTS):
                 worker = Proc(["worker"], env, tmp_path / f"worker-{i}.log")
