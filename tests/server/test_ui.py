@@ -172,7 +172,7 @@ def test_in_chromium_the_progress_bar_moves_and_the_plan_plot_appears(tmp_path: 
                 page.fill("#key", ALICE_KEY)
                 page.click("button[type=submit]")
                 page.wait_for_selector("#batches")
-                batch_id = _create_batch(c, 12, max_tokens=16, ignore_eos=True, temperature=0)
+                batch_id = _create_batch(c, 16, max_tokens=12, ignore_eos=True, temperature=0)
                 bar = f'tr[data-batch-id="{batch_id}"] progress.bar'
                 page.wait_for_selector(bar, timeout=30_000)  # the script swapped the row in
                 deadline = time.monotonic() + 600  # hang guard
