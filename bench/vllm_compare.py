@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
-from bench import cpu_workloads  # noqa: E402
+from bench import cpu_workloads
 
 VLLM_SCRIPT = r"""
 import json, sys, time
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     ours = run_blendserve(workload, args.out)
     theirs = run_vllm(args.vllm_python, workload, folder, dtype, args.out)
-    print(f"| system | output tokens | generation s | output tok/s |\n|---|---|---|---|")
+    print("| system | output tokens | generation s | output tok/s |\n|---|---|---|---|")
     for name, r in (("blendserve run (default flags)", ours), ("vLLM CPU (LLM.chat)", theirs)):
         print(f"| {name} | {r['output_tokens']} | {r['seconds']:.1f} | "
               f"{r['output_tokens'] / r['seconds']:.1f} |")
