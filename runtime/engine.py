@@ -286,7 +286,9 @@ class Engine:
             return []
         shape = _step_shape(batch)
         # 2. run the model on the flat batch
-        logits = self._run(batch)
+        logits, kv_read = self._run(batch)
+        if kv_read is not None:  # the backend read shared prefixes once (cascade)
+            shape = (*shape[:3], kv_read, shape[4])
         # 3. apply: advance computed counts, cache finished prompts, sample, finish choices
         outputs = self._apply(pol, batch, logits, waiting, running)
         self.step_log.append(StepRecord(*shape, seconds=time.perf_counter() - started))
@@ -410,7 +412,9 @@ class Engine:
             self.cache.unlock(seq.node)
         seq.pages[:full], seq.tree_pages, seq.node = tree, full, node
 
-    def _run(self, batch: list[tuple[_Seq, int]]) -> torch.Tensor:
+    def _run(self, batch: list[tuple[_Seq, int]]) -> tuple[torch.Tensor, int | None]:
+        """Logits of the rows to sample, and the KV tokens the decodes read (if the backend
+        says; cascade attention reads a shared prefix once)."""
         ids: list[int] = []
         pos: list[int] = []
         rows: list[int] = []
@@ -427,7 +431,8 @@ class Engine:
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=dev)
 
-        return self.model.forward(t(ids), t(pos), self.attn, plan, t(rows)).cpu()
+        logits = self.model.forward(t(ids), t(pos), self.attn, plan, t(rows)).cpu()
+        return logits, getattr(plan, "kv_read", None)
 
     def _apply(self, pol: AdmissionPolicy, batch: list[tuple[_Seq, int]], logits: torch.Tensor,
                waiting: deque[_Seq], running: list[_Seq]) -> list[RequestOutput]:
