@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
-from bench import cpu_workloads  # noqa: E402
+from bench import cpu_workloads
 
 BLENDSERVE = str(Path(sys.executable).with_name("blendserve"))
 

@@ -19,10 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-WORDS = ("data model system user query answer token cache prefix batch engine policy kernel "
-         "memory compute latency request response schedule planner sequence vector matrix layer "
-         "weight output input stream worker server client file line record table river mountain "
-         "garden window kitchen letter market history music science").split()
+WORDS = ["data", "model", "system", "user", "query", "answer", "token", "cache", "prefix", "batch", "engine", "policy", "kernel", "memory", "compute", "latency", "request", "response", "schedule", "planner", "sequence", "vector", "matrix", "layer", "weight", "output", "input", "stream", "worker", "server", "client", "file", "line", "record", "table", "river", "mountain", "garden", "window", "kitchen", "letter", "market", "history", "music", "science"]
 
 
 def _text(rng: random.Random, words: int) -> str:

@@ -42,7 +42,7 @@ PROGRESS_EVERY = 16  # tokens between policy.on_progress calls for one request
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_batch_tokens: int = 2048  # tokens (decode + prefill) per step
-    kv_memory_bytes: int | None = None  # KV pool budget; None = 10% of RAM capped at 2 GiB
+    kv_memory_bytes: int | None = None  # KV pool budget; None = kv_cache.default_kv_memory_bytes
     page_size: int = 16  # tokens per KV page
     device: str = "cpu"
     dtype: str | torch.dtype | None = None  # None = bfloat16 on CPUs with AVX512-BF16/AMX, else fp32
@@ -126,7 +126,8 @@ class Engine:
         self.max_model_len = mc.max_position_embeddings
         self.dtype = resolve_dtype(cfg.dtype, cfg.device)
         self.model = LlamaModel(mc, model.weights, dtype=self.dtype, device=cfg.device, seed=cfg.seed)
-        budget = cfg.kv_memory_bytes if cfg.kv_memory_bytes is not None else default_kv_memory_bytes()
+        budget = (cfg.kv_memory_bytes if cfg.kv_memory_bytes is not None
+                  else default_kv_memory_bytes(cfg.device))
         per_page = PagedKVPool.bytes_per_page(num_layers=mc.num_layers, page_size=cfg.page_size,
                                               kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                                               dtype=self.dtype)
@@ -302,7 +303,9 @@ class Engine:
             return []
         shape = _step_shape(batch)
         # 2. run the model on the flat batch
-        logits = self._run(batch)
+        logits, kv_read = self._run(batch)
+        if kv_read is not None:  # the backend read shared prefixes once (cascade)
+            shape = (*shape[:3], kv_read, shape[4])
         # 3. apply: advance computed counts, cache finished prompts, sample, finish choices
         outputs = self._apply(pol, batch, logits, waiting, running)
         self.step_log.append(StepRecord(*shape, seconds=time.perf_counter() - started,
@@ -427,7 +430,9 @@ class Engine:
             self.cache.unlock(seq.node)
         seq.pages[:full], seq.tree_pages, seq.node = tree, full, node
 
-    def _run(self, batch: list[tuple[_Seq, int]]) -> torch.Tensor:
+    def _run(self, batch: list[tuple[_Seq, int]]) -> tuple[torch.Tensor, int | None]:
+        """Logits of the rows to sample, and the KV tokens the decodes read (if the backend
+        says; cascade attention reads a shared prefix once)."""
         ids: list[int] = []
         pos: list[int] = []
         rows: list[int] = []
@@ -444,7 +449,8 @@ class Engine:
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=dev)
 
-        return self.model.forward(t(ids), t(pos), self.attn, plan, t(rows)).cpu()
+        logits = self.model.forward(t(ids), t(pos), self.attn, plan, t(rows)).cpu()
+        return logits, getattr(plan, "kv_read", None)
 
     def _apply(self, pol: AdmissionPolicy, batch: list[tuple[_Seq, int]], logits: torch.Tensor,
                waiting: deque[_Seq], running: list[_Seq]) -> list[RequestOutput]:

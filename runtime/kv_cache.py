@@ -14,10 +14,17 @@ from runtime.errors import OutOfKVPages
 
 DEFAULT_KV_FRACTION = 0.10  # of physical RAM, when no budget is given on CPU
 DEFAULT_KV_CAP_BYTES = 2 << 30  # 2 GiB
+GPU_KV_FRACTION = 0.85  # of the GPU memory free once the weights are loaded (the rest: activations)
 
 
-def default_kv_memory_bytes() -> int:
-    """10% of RAM capped at 2 GiB: enough for a few hundred chat requests of a small model."""
+def default_kv_memory_bytes(device: str = "cpu") -> int:
+    """On a GPU, 85% of its free memory (call after loading the weights); on a CPU, 10% of
+    RAM capped at 2 GiB: enough for a few hundred chat requests of a small model."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * GPU_KV_FRACTION)
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

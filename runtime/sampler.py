@@ -17,6 +17,8 @@ import torch
 from runtime.config import Tokenizer
 from runtime.types import FinishReason, SamplingParams
 
+MIN_TEMPERATURE = 1e-5  # divisor floor for sampled rows (float32 logits stay finite)
+
 
 @dataclass(slots=True)
 class SamplingState:
@@ -58,7 +60,9 @@ def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> N
 
 def _filter(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits [R, V] -> probabilities [R, V] after temperature, top-k and top-p."""
-    logits = logits / temps[:, None]
+    # A positive temperature under ~1e-37 is 0 in float32 (or overflows the quotient): the
+    # probabilities would be NaN and multinomial would raise. This low it is greedy anyway.
+    logits = logits / temps.clamp_min(MIN_TEMPERATURE)[:, None]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
     v = logits.shape[-1]
     rank = torch.arange(v)[None, :]  # [1, V]

@@ -118,6 +118,9 @@ class HardwareProfile:
     measured: StepCoefficients | None = None  # fitted step model (overrides the datasheet)
     model_config: dict[str, Any] | None = None  # HF config of the model the fit was made on
     free_steps: bool = False  # idealisation: W = 0 (`--free-weights` in the simulator)
+    # Decode attention reads a prefix its decodes share once per step (the CPU runtime's
+    # cascade, scheduler/simulate/cascade.py); the datasheet GPUs are simulated without it.
+    cascade: bool = False
 
     def __post_init__(self) -> None:
         if self.flops <= 0 or self.bandwidth <= 0:
@@ -170,6 +173,7 @@ class HardwareProfile:
             step_overhead_s=float(data.get("step_overhead_s", 0.0)),
             measured=measured,
             model_config=dict(config) if isinstance(config, dict) else None,
+            cascade=bool(data.get("cascade", False)),
         )
 
     def idealised(self, *, overlap: float | None = None, free_steps: bool = False) -> HardwareProfile:

@@ -49,6 +49,7 @@ PACE_LEAN = 0.05  # fill compute 5% past a step's memory time (or short of it, m
 ROUND_ABOVE_MULTIPLES = 4  # steps of at least this many batch multiples are rounded to them
 MIN_BLEND_OVERLAP = 0.5  # below this share of overlap, keep the sharing order and full steps
 DEFAULT_STEP_TOKENS = 2048  # the executor's step cap when the caller does not say
+FILLER_KV_SHARE = 0.5  # warm-up filler (unplanned, lengths unknown) fills at most this share of KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +355,7 @@ class BlendPolicy:
         # The memory side may read up to τ − W per step, τ = the larger remainder (weights read
         # once a step included) over the critical-path steps: ahead of compute is free while
         # compute is the larger remainder, and no faster than the longest decode allows.
+        compute_leads = r_comp >= r_mem + self._weights * steps
         tau = max(r_comp, r_mem + self._weights * steps) / steps
         read_budget = max(tau - self._weights, 0.0) / self._skv
         queued = float(budget.waiting_prefill_tokens)
@@ -367,6 +369,8 @@ class BlendPolicy:
         # What the executor really has free (estimates run short on long tails) must keep the
         # compute side's share, or prefill stalls and steps go memory-bound.
         keep_free = (1.0 - RIGHT_MAX_SHARE) * capacity
+        # Running requests will still grow by the decode tokens they are expected to produce.
+        growth = self._rem_comp / self._spt
         while self._left < self._right:
             pos = self._right - 1
             computed, d, p = (
@@ -380,11 +384,13 @@ class BlendPolicy:
                 self._used[RIGHT] + need > m_right
                 or used_total + need > capacity
                 or self._avg_read + p + d / 2.0 > read_budget
-                or computed + keep_free > free
+                or computed + d + growth + keep_free > free
+                or (compute_leads and queued >= self._step_tokens)  # one step queued will do
             ):
                 break
             self._right -= 1
             out.append(self._take(pos, RIGHT, need))
+            growth += d
             used_total += need
             queued += computed
             free -= computed
@@ -464,7 +470,8 @@ class BlendPolicy:
                 p = float(self._reqs[req].prompt_len)
                 need = p + float(self._est[req]) / 2.0
                 alone = not self._run and not out
-                if not alone and (used + need > budget.kv_capacity_tokens or p > free
+                cap = budget.kv_capacity_tokens * (1.0 if side == RIGHT else FILLER_KV_SHARE)
+                if not alone and (used + need > cap or p > free
                                   or (side == LEFT and queued >= self._step_tokens)):
                     break
                 if side == RIGHT:

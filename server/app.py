@@ -21,8 +21,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.config import Settings
 from server.db import make_engine, session_factory, upgrade
 from server.errors import install_error_handlers
+from server.limits import RequestLimits
 from server.line_schemas import line_schemas
-from server.routes import batches, files, models
+from server.metrics import HttpMetricsMiddleware, build_registry
+from server.rate_limit import RateLimiter
+from server.routes import batches, files, metrics, models, ui
 from server.routes.files import purge_expired_files
 from server.storage import FileStorage
 
@@ -57,11 +60,32 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.storage = FileStorage(settings.data_dir / "files")
     app.state.queue = _make_queue(settings, engine)
     app.state.started_at = int(time.time())
+    app.state.rate_limiter = (
+        RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst)
+        if settings.rate_limit_per_minute
+        else None
+    )
+    app.state.metrics_registry, http_metrics = build_registry(
+        app.state.sessions,
+        settings.data_dir,
+        stall_seconds=settings.worker_stall_seconds,
+        snapshot_seconds=settings.metrics_snapshot_seconds,
+    )
     install_error_handlers(app)
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(models.router)
+    app.include_router(metrics.router)
+    app.include_router(ui.router)
+    app.mount("/ui/static", ui.static, name="ui-static")
     app.add_middleware(BodyLimit, max_bytes=MAX_JSON_BODY_BYTES)
+    app.add_middleware(HttpMetricsMiddleware, metrics=http_metrics)
+    app.add_middleware(
+        RequestLimits,
+        max_header_bytes=settings.max_header_bytes,
+        idle_timeout_s=settings.body_idle_timeout_seconds,
+        min_bytes_per_s=settings.body_min_bytes_per_second,
+    )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,11 @@ class BatchScan:
         if not isinstance(obj, dict):
             return _bad(number, None, "invalid_json_line",
                         "This line is not parseable as valid JSON (or is not a JSON object).")
+        if _SURROGATE_ESCAPE.search(raw) and not _is_unicode(obj):
+            # JSON allows "\ud800", but such a string cannot be stored or written as UTF-8.
+            return _bad(number, None, "invalid_json_line",
+                        "This line contains an unpaired surrogate escape (such as \\ud800); "
+                        "strings must be valid Unicode.")
         custom_id = obj.get("custom_id")
         if custom_id is None:
             return _bad(number, None, "missing_required_parameter",
@@ -192,6 +198,17 @@ class BatchScan:
                         f"The model '{model}' differs from '{self.model}' named by an earlier "
                         "line; a batch file must use one model.", "body.model")
         return None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the cheap test before the exact one
+
+
+def _is_unicode(obj: Any) -> bool:
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse(raw: bytes) -> Any:

@@ -1,4 +1,5 @@
-"""The `blendserve` command: serve, worker, migrate, run, profile. Each subcommand imports only what it needs."""
+"""The `blendserve` command: serve, worker, migrate, run, profile, batches.
+Each subcommand imports only what it needs."""
 
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ def _build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", default=None,
                       help="where to write it (default: the cache under DATA_DIR/profiles/, "
                            "which the worker and `run` read)")
+
+    batches = sub.add_parser("batches", help="list, watch or show batches on a running server")
+    batches.add_argument("--base-url", default=None, help="default: OPENAI_BASE_URL, else local")
+    batches.add_argument("--api-key", default=None, help="default: OPENAI_API_KEY")
+    verbs = batches.add_subparsers(dest="verb", required=True)
+    ls = verbs.add_parser("list", help="the newest batches with their progress")
+    ls.add_argument("--limit", type=int, default=20)
+    ls.add_argument("--json", action="store_true", help="the raw Batch objects")
+    get = verbs.add_parser("get", help="one batch in detail")
+    get.add_argument("id")
+    get.add_argument("--json", action="store_true", help="the raw Batch object")
+    watch = verbs.add_parser("watch", help="progress bars until the batches finish")
+    watch.add_argument("ids", nargs="*", help="default: every unfinished batch")
+    watch.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
     return p
 
 
@@ -65,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.offline import profile_main
 
         return profile_main(args)
+    if args.command == "batches":
+        from server.batch_client import batches_main
+
+        return batches_main(args)
     raise AssertionError(args.command)
 
 

@@ -37,9 +37,23 @@ class Settings(BaseSettings):
     # use; a path = that file (`blendserve profile --out`); none = do not measure
     profile: str = "auto"
 
+    # Abuse limits (server/limits.py, server/rate_limit.py)
+    rate_limit_per_minute: int | None = Field(default=None, ge=1)  # per project; None = off
+    rate_limit_burst: int | None = Field(default=None, ge=1)  # None = rate_limit_per_minute
+    body_idle_timeout_seconds: float = Field(default=60.0, gt=0)  # no body bytes this long: 408
+    body_min_bytes_per_second: int = Field(default=1024, ge=0)  # average, after the idle window
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)  # all request headers: else 431
+
+    # Observability (server/metrics.py)
+    metrics_key: str | None = None  # Bearer for GET /metrics; None = any API key (or none)
+    metrics_snapshot_seconds: float = Field(default=1.0, gt=0)  # how often a worker publishes
+
     # Worker
     worker_poll_seconds: float = Field(default=0.5, gt=0)
     worker_stall_seconds: float = Field(default=60.0, gt=0)  # a claim idle this long is taken over
+    # A database/Redis outage or a full disk: retry a journal write this long before pausing the
+    # batch (it resumes when the dependency is back; it is never failed for an outage)
+    outage_retry_seconds: float = Field(default=30.0, ge=0)
 
     @field_validator("data_dir")
     @classmethod

@@ -3,6 +3,7 @@ everything else (validation, unknown routes, crashes, a locked database) into it
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -12,6 +13,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.outage import is_disk_full, is_outage
+
 log = logging.getLogger("blendserve.api")
 
 _TYPES = {
@@ -20,13 +23,17 @@ _TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     503: "server_error",
 }
+
+_NO_RETRY = frozenset({400, 401, 403, 404, 405, 409, 413, 415, 431})  # a retry cannot fix these
 
 
 class APIError(Exception):
@@ -55,11 +62,18 @@ def envelope(message: str, type: str, param: str | None, code: str | None) -> di
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """Messages may quote what a client sent, unpaired surrogates included: escape, never fail."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(err: APIError) -> JSONResponse:
     headers = dict(err.headers)
-    if err.status in (400, 401, 403, 404, 405, 409, 413, 415) and "x-should-retry" not in headers:
+    if err.status in _NO_RETRY and "x-should-retry" not in headers:
         headers["x-should-retry"] = "false"  # the SDK retries 409; a retry cannot fix these
-    return JSONResponse(
+    return _AsciiJSONResponse(
         envelope(err.message, err.type, err.param, err.code),
         status_code=err.status,
         headers=headers,
@@ -112,6 +126,14 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     )
 
 
+def _unavailable(exc: BaseException) -> JSONResponse:
+    if is_disk_full(exc):
+        message = "The server is out of storage space; please retry later."
+        return error_response(APIError(503, message, headers={"Retry-After": "30"}))
+    message = "The server is busy; please retry shortly."
+    return error_response(APIError(503, message, headers={"Retry-After": "1"}))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every non-2xx response leaves through one of these, as the four-key OpenAI envelope."""
 
@@ -136,15 +158,36 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OperationalError)
     async def _db_busy(_: Request, exc: OperationalError) -> JSONResponse:
         log.warning("database unavailable: %s", exc.orig)
-        return error_response(
-            APIError(503, "The server is busy; please retry shortly.", headers={"Retry-After": "1"})
-        )
+        return _unavailable(exc)
+
+    async def _dependency(_: Request, exc: Exception) -> JSONResponse:
+        """Handled here, not by the catch-all: that one re-raises into the server's log."""
+        if is_outage(exc):  # the database or Redis is down, or the disk is full: retry later
+            log.warning("dependency unavailable: %s: %s", type(exc).__name__, exc)
+            return _unavailable(exc)
+        return _internal(exc)
+
+    for kind in _dependency_errors():
+        app.add_exception_handler(kind, _dependency)
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")  # the traceback goes to the log, never to the client
-        return error_response(
-            APIError(
-                500, "The server had an error while processing your request. Sorry about that!"
-            )
-        )
+        if is_outage(exc):
+            log.warning("dependency unavailable: %s: %s", type(exc).__name__, exc)
+            return _unavailable(exc)
+        return _internal(exc)
+
+
+def _internal(exc: Exception) -> JSONResponse:
+    log.error("unhandled error", exc_info=exc)  # the traceback goes to the log, never the client
+    return error_response(
+        APIError(500, "The server had an error while processing your request. Sorry about that!")
+    )
+
+
+def _dependency_errors() -> tuple[type[Exception], ...]:
+    """Exception types an outage raises (server/outage.py decides which instances are one)."""
+    import redis
+    import sqlalchemy.exc as sa_exc
+
+    return (OSError, sa_exc.DBAPIError, sa_exc.TimeoutError, redis.RedisError)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -21,10 +22,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from server import journal
 from server.config import Settings
 from server.models import BatchRow, BatchStatus, FileRow
+from server.outage import is_outage, retry_outages
 from server.storage import FileStorage
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
+    from server.pipeline import LineResult
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class JobContext:
     interrupted: Callable[[], bool] = lambda: False  # shutdown asked or claim lost
     now: Callable[[], float] = time.time  # wall clock (unix seconds), injectable for expiry tests
     cancel_poll_seconds: float = 0.5  # how often the run re-reads the status for a cancel
+    on_result: Callable[[LineResult], None] = lambda _: None  # each journaled result (metrics)
 
 
 def run_batch(batch_id: str, ctx: JobContext) -> bool:
@@ -158,7 +162,12 @@ class _StopCheck:
         if time.monotonic() < self._next_poll:
             return None
         self._next_poll = time.monotonic() + self.ctx.cancel_poll_seconds
-        batch = _load(self.ctx, self.batch_id)
+        try:
+            batch = _load(self.ctx, self.batch_id)
+        except Exception as e:
+            if not is_outage(e):
+                raise
+            return None  # the database is down: no news is no cancel; journaling waits for it
         if batch is None or batch.status == BatchStatus.CANCELLING:
             return StopReason.CANCELLED
         if batch.status != BatchStatus.IN_PROGRESS or batch.worker_id != self.ctx.worker_id:
@@ -195,8 +204,15 @@ def _run_lines(ctx: JobContext, batch: BatchRow) -> StopReason | None:
         finished=finished,
     )
     for result in results:
-        if not journal.record(ctx.sessions, batch.id, ctx.worker_id, result, now=ctx.now()):
+        recorded = retry_outages(  # a database restart costs a pause, not the work in flight
+            partial(journal.record, ctx.sessions, batch.id, ctx.worker_id, result, now=ctx.now()),
+            what=f"batch {batch.id}: journaling {result.custom_id}",
+            give_up_after_s=ctx.settings.outage_retry_seconds,
+            stop=ctx.interrupted,
+        )
+        if not recorded:
             return StopReason.INTERRUPTED  # claim lost: the new owner re-runs what we had in flight
+        ctx.on_result(result)
     _write_report(ctx, batch.id, engine, finished, time.monotonic() - started)
     return stop.reason
 
@@ -210,7 +226,7 @@ def _write_report(ctx: JobContext, batch_id: str, engine: Engine, finished: list
         report = build_report(engine, ctx.policy, finished, wall_seconds=seconds)
         write_report({"batch_id": batch_id, **report}, report_path(ctx.settings.data_dir, batch_id),
                      engine)
-    except Exception:  # noqa: BLE001 - a report is a nicety; the batch's results are what count
+    except Exception:
         log.exception("batch %s: could not write the plan report", batch_id)
 
 

@@ -214,7 +214,15 @@ class RedisQueue:
         self.stall_ms = int(stall_seconds * 1000)
         self._messages: dict[str, bytes] = {}  # batch id -> stream message id this worker holds
         try:
-            self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+            self._create_group()
+        except (redis.ConnectionError, redis.TimeoutError) as e:  # claim() creates it later
+            log.warning("Redis unavailable at start (%s); claiming from SQL until it is back", e)
+
+    def _create_group(self) -> None:
+        import redis
+
+        try:
+            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
@@ -223,7 +231,25 @@ class RedisQueue:
         self.redis.xadd(self.stream, {"batch_id": batch_id})
 
     def claim(self, worker_id: str) -> str | None:
-        """Stalled messages first, then new ones, then the SQL poll (lost messages, restarts)."""
+        """Stalled messages first, then new ones, then the SQL poll (lost messages, restarts).
+        Redis down or restarted empty (no consumer group) only delays the stream: SQL answers."""
+        import redis
+
+        try:
+            batch_id = self._claim_from_stream(worker_id)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            log.warning("the Redis consumer group is gone (Redis restarted empty?); recreating it")
+            self._create_group()
+            batch_id = None
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("Redis unavailable (%s); claiming from SQL", e)
+            batch_id = None
+        # 3. anything SQL says needs work and nobody owns
+        return batch_id if batch_id is not None else self.sql.claim(worker_id)
+
+    def _claim_from_stream(self, worker_id: str) -> str | None:
         # 1. take over messages whose consumer has not touched them for stall_seconds
         start: bytes | str = "0-0"
         for _ in range(1000):  # one message at a time: what we take, we act on
@@ -241,8 +267,7 @@ class RedisQueue:
             for msg_id, fields in fresh[0][1]:
                 if (batch_id := self._take(msg_id, fields, worker_id)) is not None:
                     return batch_id
-        # 3. anything SQL says needs work and nobody owns
-        return self.sql.claim(worker_id)
+        return None
 
     def _take(self, msg_id: bytes, fields: dict[bytes, bytes] | None, worker_id: str) -> str | None:
         """Claim the message's batch in SQL; a message for a finished or owned batch is dropped.

@@ -24,7 +24,9 @@ from sqlalchemy.orm import sessionmaker
 
 from server.config import Settings
 from server.db import upgrade
+from server.engine_monitor import EngineMonitor
 from server.jobs import JobContext, fail_batch, run_batch
+from server.outage import is_outage, retry_outages
 from server.queue import BatchQueue, make_queue
 from server.storage import FileStorage
 
@@ -58,12 +60,18 @@ class Worker:
         self.storage = FileStorage(settings.data_dir / "files")
         self.now = now
         self.stopping = threading.Event()  # set: stop admitting, finish in-flight, release, exit
+        self.monitor = EngineMonitor(
+            settings.data_dir, self.worker_id, every_s=settings.metrics_snapshot_seconds
+        )
         self._engine = engine
+        if engine is not None:
+            self.monitor.attach(engine)
         self._policy: str | None = None
 
     def engine(self) -> Engine:
         if self._engine is None:
             self._engine = load_engine(self.settings)
+            self.monitor.attach(self._engine)
         return self._engine
 
     def policy(self) -> str:
@@ -74,6 +82,7 @@ class Worker:
     def run(self, *, until_idle: bool = False) -> int:
         """The loop; `until_idle` returns once no batch needs work (tests, one-shot runs)."""
         log.info("worker %s started (queue: %s)", self.worker_id, type(self.queue).__name__)
+        self.monitor.start()
         self._recover()
         while not self.stopping.is_set():
             # 1. Claim the oldest batch that needs work, or one whose owner stopped heartbeating.
@@ -124,26 +133,50 @@ class Worker:
                 worker_id=self.worker_id,
                 interrupted=lambda: self.stopping.is_set() or beat.lost.is_set(),
                 now=self.now,
+                on_result=self.monitor.on_result,
             )
+            self.monitor.running(batch_id)
             try:
                 terminal = run_batch(batch_id, ctx)
-            except Exception:
+            except Exception as e:
+                if is_outage(e):  # the database, Redis or the disk, not the batch: pause it
+                    log.warning("batch %s paused, a dependency is down (%s: %s); it resumes "
+                                "when it is back", batch_id, type(e).__name__, e)
+                    self._release_after_outage(batch_id)
+                    self.monitor.running(None)
+                    return False
                 log.exception("batch %s failed on a server error", batch_id)
                 try:
                     fail_batch(ctx, batch_id, INTERNAL_ERROR)
                     terminal = True
                 except Exception:
                     log.exception("could not mark batch %s failed", batch_id)
+        self.monitor.running(None)
         try:
             self.queue.release(batch_id, self.worker_id, terminal=terminal)
         except Exception:  # the claim then goes stale and is taken over
             log.exception("could not release batch %s", batch_id)
         return terminal
 
+    def _release_after_outage(self, batch_id: str) -> None:
+        """Hand the batch back once the database answers again (so it resumes at once, not after
+        the stall timeout); while it stays down past the stall timeout, the claim just lapses."""
+        try:
+            retry_outages(
+                lambda: self.queue.release(batch_id, self.worker_id, terminal=False),
+                what=f"releasing batch {batch_id}",
+                give_up_after_s=self.settings.worker_stall_seconds,
+                stop=self.stopping.is_set,
+                max_wait_s=self.settings.worker_poll_seconds * 4,
+            )
+        except Exception as e:  # noqa: BLE001 - still down: the claim goes stale and is taken over
+            log.warning("could not release batch %s yet (%s)", batch_id, e)
+
     def _heartbeat_seconds(self) -> float:
         return max(self.settings.worker_stall_seconds / 4, 0.05)
 
     def close(self) -> None:
+        self.monitor.close()
         self.queue.close()
         self.db.dispose()
 

@@ -57,6 +57,7 @@ class TorchPlan:
     decode: tuple[tuple[torch.Tensor | None, _Dense], ...]
     shared: _Shared | None
     prefill: _Dense | None
+    kv_read: int  # KV tokens the decodes read: own pages, plus each shared group's pages once
 
 
 def _slots(batch: AttentionBatch, page_size: int) -> torch.Tensor:
@@ -171,7 +172,11 @@ class TorchAttention(AttentionBackend):
         if nd < len(batch.q_lens):
             prefill = self._dense(batch.q_lens[nd:], batch.kv_lens[nd:], batch.page_tables[nd:], g)
         slots = _slots(batch, ps).to(self.pool.data.device)
-        return TorchPlan(slots, nd, tuple(decode), shared_plan, prefill)
+        kv_read = sum(batch.kv_lens[:nd])
+        if shared_plan is not None:
+            groups = {(batch.page_tables[i][0], n) for i, n in enumerate(shared) if n}
+            kv_read -= sum(n for n in shared) * ps - sum(n for _, n in groups) * ps
+        return TorchPlan(slots, nd, tuple(decode), shared_plan, prefill, kv_read)
 
     def _attend(self, q: torch.Tensor, d: _Dense, k_flat: torch.Tensor,
                 v_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -30,6 +30,7 @@ import numpy as np
 from scheduler.cost_model import CostModel
 from scheduler.errors import SchedulerError
 from scheduler.prefix_tree import PrefixTree
+from scheduler.simulate.cascade import CascadeReads
 from scheduler.simulate.prefix_cache import PrefixCache
 from scheduler.simulate.trace import TraceEntry
 from scheduler.types import AdmissionPolicy, StepBudget
@@ -93,6 +94,8 @@ class _Run:
         self.n = len(entries)
         tree = tree or PrefixTree.build([e.request.prompt_token_ids for e in entries])
         self.cache = PrefixCache(tree)
+        # decodes sharing a prefix read it once a step, where the device's attention cascades
+        self.cascade = CascadeReads(tree) if cost.hardware.cascade else None
         self.g0 = [0] * self.n  # tokens generated when the current decode stint began
         self.base = [0] * self.n  # step of the current stint's first decode
         self.epoch = [0] * self.n  # bumps on preemption: stale heap entries are skipped
@@ -168,6 +171,8 @@ class _Run:
         self.n_dec -= 1
         self.ctx -= self.p[i] + g
         self.gen -= g - 1
+        if self.cascade is not None:
+            self.cascade.remove(path)
         self.redo[i] = g  # the engine refeeds prompt + output, then samples the next token
         self.epoch[i] += 1
         self.waiting += self.p[i] + g
@@ -264,6 +269,10 @@ class _Run:
         self.mem.append(self.cost.step_memory_time(kv_read))
         self.trace_rows.append((prefill, decoding, len(self.queue), used))
 
+    def shared_reads(self) -> int:
+        """KV this step's decodes skip: a shared prefix is read once per group (cascade)."""
+        return 0 if self.cascade is None else self.cascade.saved_tokens()
+
     def start_decoding(self, starting: list[int]) -> None:
         """Requests whose (re)prefill completed this step sampled a token: decode or finish."""
         for i in starting:
@@ -272,6 +281,8 @@ class _Run:
             self.n_dec += 1
             self.ctx += self.p[i] + g  # its outputs' KV joined `gen` with the prefill
             self.g0[i], self.base[i] = g, self.t
+            if self.cascade is not None:
+                self.cascade.add(self.path[i] or [])
             # decode steps t .. t + d − g − 1; a request done at its prefill "ends" at t − 1
             heapq.heappush(self.finish_heap, (self.t + self.d[i] - g - 1, i, self.epoch[i]))
             self.push_report(i, _next_report(g - 1) if g > 1 else 1)
@@ -303,6 +314,8 @@ class _Run:
             del self.running[i]
             path = self.path[i]
             assert path is not None
+            if self.cascade is not None:
+                self.cascade.remove(path)
             self.cache.release(path, self.t)
             self.finished += 1
             self.policy.on_finish(self.ids[i], d)
@@ -328,7 +341,7 @@ class _Run:
             self.cache.evict(over)  # k·n fits in what is not pinned
         used = self.used()
         for j in range(k):
-            self.record(n, n, 0, self.ctx + n * j, 0, n, used + n * (j + 1))
+            self.record(n, n, 0, self.ctx + n * j - self.shared_reads(), 0, n, used + n * (j + 1))
         self.ctx += k * n
         self.gen += k * n
         self.t += k
@@ -355,7 +368,8 @@ class _Run:
         self.prefilled += done
         self.gen += self.n_dec
         # 4. cost: the decodes read their contexts; prompts that completed sample a token
-        self.record(tokens, self.n_dec + len(starting), pairs, self.ctx, done, self.n_dec,
+        self.record(tokens, self.n_dec + len(starting), pairs, self.ctx - self.shared_reads(), done,
+                    self.n_dec,
                     self.used())
         self.ctx += self.n_dec
         self.t += 1

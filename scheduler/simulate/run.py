@@ -69,6 +69,9 @@ class TimedPolicy:
     def has_pending(self) -> bool:
         return self._timed(self.inner.has_pending)
 
+    def withdraw(self) -> list[PlanRequest]:
+        return self._timed(self.inner.withdraw)
+
 
 def trace_totals(entries: Sequence[TraceEntry], cost: CostModel) -> tuple[float, float]:
     """(ΣComp, ΣMem) in seconds with the true output lengths."""

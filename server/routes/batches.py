@@ -17,10 +17,10 @@ from server.config import Settings
 from server.errors import APIError, bad_request, not_found
 from server.ids import new_batch_id
 from server.models import BatchRow, BatchStatus
+from server.plan_report import report_path
 from server.routes.deps import SessionDep, SettingsDep
 from server.routes.files import MAX_TTL_S, MIN_TTL_S, lookup_file
 from server.routes.pagination import page
-from server.plan_report import report_path
 from server.schemas import Batch, BatchCreateRequest, BatchList, ErrorEnvelope, PlanReport
 
 log = logging.getLogger("blendserve.api")
@@ -132,6 +132,28 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), "a value")
 
 
+def require_unicode(value: Any, param: str) -> None:
+    """400 for a string (or key) with an unpaired surrogate: JSON can spell one ("\\ud800"), but
+    it cannot be stored or sent back as UTF-8, so it would poison every later read."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(
+                f"Invalid '{param}': strings must be valid Unicode (no unpaired surrogates).",
+                param=param,
+                code="invalid_value",
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{param}.{key}" if param else str(key)
+            require_unicode(key, param or "body")
+            require_unicode(item, where)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            require_unicode(item, f"{param}[{i}]")
+
+
 def lookup_batch(session: SessionDep, project: str, batch_id: str) -> BatchRow:
     row = session.get(BatchRow, batch_id)
     if row is None or row.project != project:
@@ -148,6 +170,7 @@ def create_batch(
     settings: SettingsDep,
 ) -> Batch:
     """Create a batch from an uploaded `purpose=batch` file; it starts `validating`."""
+    require_unicode(body.model_dump(), "")
     if body.endpoint not in ENDPOINTS:
         raise bad_request(
             f"Invalid value: '{body.endpoint}'. Supported values are: "

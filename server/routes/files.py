@@ -71,6 +71,14 @@ def lookup_file(session: SessionDep, project: str, file_id: str, *, param: str =
     return row
 
 
+def stored_filename(name: str) -> str:
+    """The last path component under either separator, without control characters, at most 255
+    characters: a name is metadata, never a path (Windows clients save `a\\..\\b` as a path)."""
+    base = name.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+    clean = "".join(c for c in base if c.isprintable())[:255]
+    return clean if clean not in ("", ".", "..") else "upload"
+
+
 def _expires_at(fields: dict[str, str], purpose: str, created_at: int) -> int | None:
     anchor = fields.get("expires_after[anchor]")
     seconds = fields.get("expires_after[seconds]")
@@ -136,8 +144,9 @@ async def upload_file(
                 param="file",
                 code="missing_required_parameter",
             )
+        filename = stored_filename(got.filename)
         if purpose == "batch":
-            if not got.filename.lower().endswith(".jsonl"):
+            if not filename.lower().endswith(".jsonl"):
                 raise bad_request(
                     "Invalid file format for Batch API. Must be .jsonl",
                     param="file",
@@ -149,7 +158,7 @@ async def upload_file(
         row = FileRow(
             id=file_id,
             project=project,
-            filename=os.path.basename(got.filename),
+            filename=filename,
             purpose=purpose,
             bytes=got.bytes,
             created_at=created_at,

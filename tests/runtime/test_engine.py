@@ -238,3 +238,13 @@ def test_every_step_is_logged_with_its_shape() -> None:
     assert [r.decodes for r in log[1:]] == [3, 3, 3]
     assert log[1].kv_read == sum(len(p) + 1 for p in ps)
     assert all(r.seconds > 0 for r in log)
+
+
+def test_the_step_log_counts_a_prefix_shared_by_decodes_once() -> None:
+    engine = make_engine(max_batch_tokens=512)
+    ps = prompts(4, prefix=40, lo=6, hi=7)  # 46-token prompts sharing 40 tokens (10 pages)
+    run(engine, greedy(ps, max_tokens=3))
+    first_decode = engine.step_log[1]
+    assert first_decode.decodes == 4
+    own = sum(len(p) + 1 - 40 for p in ps)  # past the shared pages: prompt tail + 1 token
+    assert first_decode.kv_read == own + 40  # the 10 shared pages read once for the group

@@ -252,3 +252,21 @@ def test_blend_uses_a_schema_prior_before_any_sample():
                     output_prior=17.0) for _ in range(300)]
     pol = _policy(reqs, sample_rate=0.02)
     assert pol.planned and (pol.plan.output == 17).all()
+
+
+def test_without_overlap_blend_keeps_the_sharing_order_longest_decodes_first_and_full_steps():
+    from tests.scheduler.factories import toy_cost
+
+    short = [make_request(200, 4, prefix=[5] * 150) for _ in range(6)]
+    long = [make_request(200, 900, prefix=[6] * 150) for _ in range(3)]
+    mixed = [make_request(60, d) for d in (30, 40)]
+    reqs = short + mixed + long
+    pol = _policy(reqs, cost=toy_cost())  # a device with no overlap (one stream, like a CPU)
+    assert not pol.blending and pol.plan is not None
+    assert pol.plan.leaves_moved == 0 and pol.plan.sharing_kept == 1.0
+    order = [reqs[i].id for i in pol.plan.order]
+    assert order[:3] == [r.id for r in long]  # the subtree holding the longest decodes first
+    assert order.index(short[0].id) in (5, 6) and order.index(short[-1].id) in (10, 11)
+    got = pol.admit(make_budget(100_000))
+    assert [r.id for r in got] == order  # everything fits: all at once, in that order
+    assert pol.prefill_budget(make_budget(100_000, running=len(got), waiting=2000)) is None

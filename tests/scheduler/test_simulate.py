@@ -353,3 +353,22 @@ def test_per_step_records_add_up_and_go_to_csv(tmp_path: Path, capsys) -> None:
     rows = (tmp_path / "s.csv").read_text().splitlines()
     assert rows[0].startswith("step,start_s,dt_s") and len(rows) == result.steps + 1
     assert json.loads(capsys.readouterr().out)["steps"] == result.steps
+
+
+def test_with_cascade_attention_decodes_read_a_shared_prefix_once() -> None:
+    shared = tokens(5, 64)  # four pages of 16
+    trace = [make_entry(f"c{i}", shared + tokens(40 + i, 10), 5) for i in range(3)]
+
+    def first_decode_read(cascade: bool) -> float:
+        cost = CostModel(COST.shape, COST.hardware.idealised(overlap=0.0))
+        if cascade:
+            from dataclasses import replace
+
+            cost = CostModel(cost.shape, replace(cost.hardware, cascade=True))
+        policy = make_policy("fcfs", [e.request for e in trace], kv_capacity_tokens=10**5)
+        result = simulate(trace, policy, cost, SimConfig(10**5))
+        return (result.step_memory_s[1] - cost.weights_read_s) / cost.seconds_per_kv_token
+
+    plain = 3 * (74 + 1)  # each decode reads its prompt and its first token
+    assert first_decode_read(False) == pytest.approx(plain)
+    assert first_decode_read(True) == pytest.approx(plain - 2 * 64)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,66 +16,27 @@ import httpx
 import psutil
 import pytest
 
-from runtime.loader import DEFAULT_MODEL, default_model_folder
+from runtime.loader import DEFAULT_MODEL
+from tests.server import live_process
+from tests.server.live_process import REPO, TERMINAL, free_port
 
-REPO = Path(__file__).resolve().parents[2]
 LINES = 30
-TERMINAL = ("completed", "failed", "expired", "cancelled")
+ENV = {
+    "BLENDSERVE_POLICY": "fcfs",
+    "BLENDSERVE_PROFILE": "none",  # no device measurement in a test's fresh data dir
+    "BLENDSERVE_KV_MEMORY_BYTES": str(8 << 20),  # ~7 requests at a time: several waves
+    "BLENDSERVE_WORKER_POLL_SECONDS": "0.1",
+}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """`blendserve serve` as a child process with its own log file."""
-
-    def __init__(self, data_dir: Path, port: int, log: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BLENDSERVE_")}
-        env.update(
-            BLENDSERVE_DATA_DIR=str(data_dir),
-            BLENDSERVE_PORT=str(port),
-            BLENDSERVE_POLICY="fcfs",
-            BLENDSERVE_PROFILE="none",  # no device measurement in a test's fresh data dir
-            BLENDSERVE_KV_MEMORY_BYTES=str(8 << 20),  # ~7 requests at a time: several waves
-            BLENDSERVE_WORKER_POLL_SECONDS="0.1",
-            OMP_NUM_THREADS="2",
-        )
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve"],
-            cwd=REPO,
-            env=env,
-            stdout=log.open("ab"),
-            stderr=subprocess.STDOUT,
-        )
-        self.url = f"http://127.0.0.1:{port}"
-
-    def wait_healthy(self, client: httpx.Client) -> None:
-        deadline = time.monotonic() + 120  # hang guard
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.tail()
-            try:
-                if client.get(f"{self.url}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"server did not become healthy\n{self.tail()}")
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+def serve(data_dir: Path, port: int, log: Path) -> live_process.Server:
+    return live_process.Server(data_dir, port, log, **ENV)
 
 
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     """A fresh data dir that reuses the default model's cached conversion (no 10 s re-convert)."""
-    data = tmp_path / "data"
-    (data / "models").mkdir(parents=True)
-    (data / "models" / DEFAULT_MODEL).symlink_to(default_model_folder(REPO / "data"))
-    return data
+    return live_process.model_data_dir(tmp_path)
 
 
 def _batch_input() -> bytes:
@@ -106,13 +66,13 @@ def _batch_input() -> bytes:
 def test_kill_9_mid_batch_then_restart_finishes_each_request_exactly_once(
     data_dir: Path, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     counts: list[int] = []  # request_counts.completed at every poll, across both servers
-    servers: list[Server] = []
+    servers: list[live_process.Server] = []
     try:
         with httpx.Client(timeout=30) as client:
-            first = Server(data_dir, port, log)
+            first = serve(data_dir, port, log)
             servers.append(first)
             first.wait_healthy(client)
             upload = client.post(
@@ -148,7 +108,7 @@ def test_kill_9_mid_batch_then_restart_finishes_each_request_exactly_once(
             assert 3 <= killed_at < LINES
 
             # 2. Restart on the same data dir; the batch resumes and completes.
-            second = Server(data_dir, port, log)
+            second = serve(data_dir, port, log)
             servers.append(second)
             second.wait_healthy(client)
             final = _poll_until(client, second, batch_id, counts, lambda b: b["status"] in TERMINAL)
@@ -174,7 +134,7 @@ def test_kill_9_mid_batch_then_restart_finishes_each_request_exactly_once(
 
 
 def _poll_until(
-    client: httpx.Client, server: Server, batch_id: str, counts: list[int], done: Any
+    client: httpx.Client, server: live_process.Server, batch_id: str, counts: list[int], done: Any
 ) -> dict[str, Any]:
     deadline = time.monotonic() + 600  # hang guard
     while time.monotonic() < deadline:

@@ -190,3 +190,12 @@ def test_run_refuses_a_step_cap_below_one(tmp_path: Path, capsys: pytest.Capture
     source.write_text(request("a") + "\n")
     assert main(["run", str(source), "-o", str(tmp_path / "o.jsonl"), "--max-step-tokens", "0"]) == 2
     assert "--max-step-tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_device_auto_is_the_cpu_without_a_gpu() -> None:
+    import torch
+
+    from server.engine_setup import resolve_device
+
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"

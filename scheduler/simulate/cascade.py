@@ -1,0 +1,67 @@
+"""KV reads that cascade attention saves: decodes sharing a prompt prefix read it once per step.
+
+The CPU runtime's attention (runtime/attention/torch_backend.py) groups a step's decodes by
+their first KV page and attends the pages the whole group shares once, stacking the group's
+queries; each decode then reads only its own pages. A device profile that says so
+(`HardwareProfile.cascade`) makes the simulator count reads the same way. A group's shared
+length is the depth of the deepest prefix-tree node every decoding member passes through,
+in whole pages, and counts only from `min_pages` pages on, as the runtime does.
+"""
+
+from __future__ import annotations
+
+from scheduler.prefix_tree import PrefixTree
+
+PAGE_SIZE = 16  # the runtime's KV page (EngineConfig.page_size)
+MIN_SHARED_PAGES = 2  # TorchAttention.min_shared_pages
+
+
+class CascadeReads:
+    """Decoding requests by prefix-tree path, and the KV reads their groups share."""
+
+    def __init__(self, tree: PrefixTree, page_size: int = PAGE_SIZE,
+                 min_pages: int = MIN_SHARED_PAGES) -> None:
+        self._depth: list[int] = tree.depth.tolist()
+        self._children: list[list[int]] = [tree.children(v).tolist()
+                                           for v in range(tree.num_nodes)]
+        self._ref = [0] * tree.num_nodes  # decoding requests through each node
+        self._groups: dict[int, int] = {}  # first node below the root -> decoding members
+        self._ps, self._min = page_size, min_pages
+        self._saved = 0
+        self._dirty = False
+
+    def add(self, path: list[int]) -> None:
+        self._update(path, 1)
+
+    def remove(self, path: list[int]) -> None:
+        self._update(path, -1)
+
+    def _update(self, path: list[int], sign: int) -> None:
+        if not path:
+            return
+        for node in path:
+            self._ref[node] += sign
+        top = path[0]
+        left = self._groups.get(top, 0) + sign
+        if left:
+            self._groups[top] = left
+        else:
+            self._groups.pop(top, None)
+        self._dirty = True
+
+    def saved_tokens(self) -> int:
+        """KV tokens this step's decodes do not read because a group member reads them."""
+        if self._dirty:
+            self._saved = sum(self._group_saving(top, n) for top, n in self._groups.items() if n > 1)
+            self._dirty = False
+        return self._saved
+
+    def _group_saving(self, top: int, members: int) -> int:
+        node = top
+        while True:  # down the path all members share
+            nxt = next((c for c in self._children[node] if self._ref[c] == members), None)
+            if nxt is None:
+                break
+            node = nxt
+        pages = self._depth[node] // self._ps
+        return pages * self._ps * (members - 1) if pages >= self._min else 0
