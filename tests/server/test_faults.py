@@ -302,7 +302,8 @@ KILL_POINTS: list[tuple[str, float]] = [  # (what to wait for, how much of it) b
 
 def test_worker_killed_at_ten_points_in_a_loop(tmp_path: Path, procs: list[Proc]) -> None:
     data = model_data_dir(tmp_path)
-    api = Server(data, free_port(), tmp_path / "api.log", "--no-worker", **FAST)
+    slow = {**FAST, "BLENDSERVE_MAX_BATCH_TOKENS": "48"}  # a prompt or so a step: lines end apart
+    api = Server(data, free_port(), tmp_path / "api.log", "--no-worker", **slow)
     procs.append(api)
     db = sa.create_engine(f"sqlite:///{data / 'blendserve.db'}")
     kills = []
@@ -311,7 +312,7 @@ def test_worker_killed_at_ten_points_in_a_loop(tmp_path: Path, procs: list[Proc]
             api.wait_healthy(c)
             n = 36
             watch = Watch(c, _create(c, n, max_tokens=2), [api])
-            env = {"BLENDSERVE_DATA_DIR": str(data), **FAST}
+            env = {"BLENDSERVE_DATA_DIR": str(data), **slow}
             for i, (point, amount) in enumerate(KILL_POINTS):
                 worker = Proc(["worker"], env, tmp_path / f"worker-{i}.log")
                 before = _journaled(db, watch.batch_id)

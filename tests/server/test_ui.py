@@ -30,8 +30,21 @@ CHROMIUM_FLAGS = [
 ]
 
 
-def _create_batch(client: httpx.Client, n: int = 1, **body: Any) -> str:
-    lines = "".join(batch_line(f"u-{i}", f"Tell me about {i}.", **body) + "\n" for i in range(n))
+def _create_batch(
+    client: httpx.Client, n: int = 1, spread_tokens: int = 0, **body: Any
+) -> str:
+    """`n` lines; with `spread_tokens`, line i asks for (i + 1) * spread_tokens tokens, so the
+    lines finish one after another rather than together."""
+    if spread_tokens:
+        lines = "".join(
+            batch_line(f"u-{i}", f"Tell me about {i}.", max_tokens=(i + 1) * spread_tokens, **body)
+            + "\n"
+            for i in range(n)
+        )
+    else:
+        lines = "".join(
+            batch_line(f"u-{i}", f"Tell me about {i}.", **body) + "\n" for i in range(n)
+        )
     fid = upload(client, lines.encode()).json()["id"]
     created = client.post(
         "/v1/batches",
@@ -157,6 +170,7 @@ def test_in_chromium_the_progress_bar_moves_and_the_plan_plot_appears(tmp_path: 
         BLENDSERVE_PROFILE="none",  # the plan report comes from the model's shape alone
         BLENDSERVE_KV_MEMORY_BYTES=str(16 << 20),
         BLENDSERVE_WORKER_POLL_SECONDS="0.1",
+        BLENDSERVE_MAX_BATCH_TOKENS="64",  # a few prefills a step: completions come one by one
     )
     shot = tmp_path / "ui.png"
     progress: list[float] = []
@@ -172,7 +186,7 @@ def test_in_chromium_the_progress_bar_moves_and_the_plan_plot_appears(tmp_path: 
                 page.fill("#key", ALICE_KEY)
                 page.click("button[type=submit]")
                 page.wait_for_selector("#batches")
-                batch_id = _create_batch(c, 16, max_tokens=12, ignore_eos=True, temperature=0)
+                batch_id = _create_batch(c, 16, spread_tokens=10, ignore_eos=True, temperature=0)
                 bar = f'tr[data-batch-id="{batch_id}"] progress.bar'
                 page.wait_for_selector(bar, timeout=30_000)  # the script swapped the row in
                 deadline = time.monotonic() + 600  # hang guard
