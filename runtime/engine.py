@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -36,7 +36,28 @@ from runtime.types import (
 from scheduler.cost_model import CostModel
 from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
 
+if TYPE_CHECKING:
+    from scheduler.mix import MixPolicy
+
 PROGRESS_EVERY = 16  # tokens between policy.on_progress calls for one request
+MAX_STEP_LOG = 200_000  # steps a long-lived serve() keeps in step_log
+
+
+@dataclass(frozen=True, slots=True)
+class FeedUpdate:
+    """What a `RequestFeed` has for the engine at one step."""
+
+    arrivals: list[tuple[EngineRequest, int]] = field(default_factory=list)  # (request, level)
+    aborts: set[str] = field(default_factory=set)  # request ids to drop, outputs unwanted
+    closed: bool = False  # nothing more will arrive: serve() returns once the rest has run
+    drain: bool = False  # shutdown: admit nothing more, finish what has started
+
+
+class RequestFeed(Protocol):
+    """Where `Engine.serve` gets requests from; `idle` says the engine has nothing to run, so
+    the feed may wait a little for work instead of answering at once."""
+
+    def poll(self, idle: bool) -> FeedUpdate: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +265,80 @@ class Engine:
         finally:  # also when the caller abandons the generator: hand every page back
             for s in running:
                 self._release(s)
+
+    def serve(self, feed: RequestFeed, *, policy: str = "fcfs") -> Iterator[RequestOutput]:
+        """Run requests that keep arriving (a worker's batches) until the feed closes and
+        everything admitted has finished; yield each output as it finishes.
+
+        Before every step the engine polls `feed` once: arrivals are planned into their priority
+        level with what that level has not started (scheduler/mix.py), and aborted requests are
+        dropped wherever they are, pages freed, without an output.
+        """
+        from scheduler.mix import MixPolicy
+        from scheduler.policies import make_policy
+
+        def build(reqs: list[PlanRequest]) -> AdmissionPolicy:
+            return make_policy(policy, reqs, kv_capacity_tokens=self.kv_capacity_tokens,
+                               cost_model=self.cost_model, step_tokens=self.config.max_batch_tokens)
+
+        mix = MixPolicy(build)
+        known: dict[str, EngineRequest] = {}
+        done: deque[RequestOutput] = deque()
+        waiting: deque[_Seq] = deque()
+        running: list[_Seq] = []
+        self.step_log, self.last_policy = [], mix
+        draining = False
+        try:
+            with torch.inference_mode():
+                while True:
+                    while done:
+                        yield done.popleft()
+                    idle = not running and not waiting and not mix.has_pending()
+                    update = feed.poll(idle)
+                    if update.drain and not draining:
+                        draining = True
+                        mix.withdraw()
+                        known.clear()
+                        started = [s for s in waiting if s.generated > 0 or s.index > 0]
+                        waiting.clear()
+                        waiting.extend(started)
+                    if update.aborts:
+                        self._abort(update.aborts, mix, known, waiting, running)
+                    for level, reqs in _by_level([] if draining else update.arrivals).items():
+                        plans = []
+                        for req in reqs:
+                            err = self.check(req)
+                            if err is not None:
+                                done.append(RequestOutput(req.id, len(req.prompt_token_ids), 0,
+                                                          error=err))
+                                continue
+                            known[req.id] = req
+                            plans.append(self.plan_request(req))
+                        mix.add(plans, level)
+                    self._admit(mix, known, waiting, running)
+                    if not running and not waiting:
+                        if not done and update.closed and not mix.has_pending():
+                            return
+                        continue
+                    done.extend(self._step(mix, waiting, running))
+                    if len(self.step_log) > MAX_STEP_LOG:  # a long-lived worker: keep the recent
+                        del self.step_log[: MAX_STEP_LOG // 2]
+        finally:
+            for s in running:
+                self._release(s)
+
+    def _abort(self, ids: set[str], pol: MixPolicy, known: dict[str, EngineRequest],
+               waiting: deque[_Seq], running: list[_Seq]) -> None:
+        """Drop requests wherever they are: not admitted, waiting, or holding pages."""
+        for s in [s for s in running if s.group.req.id in ids]:
+            self._release(s)
+            running.remove(s)
+        kept = [s for s in waiting if s.group.req.id not in ids]
+        waiting.clear()
+        waiting.extend(kept)
+        for rid in ids:
+            known.pop(rid, None)
+        pol.remove(ids)
 
     def _loop(self, pol: AdmissionPolicy, known: dict[str, EngineRequest],
               done: deque[RequestOutput], waiting: deque[_Seq], running: list[_Seq],
@@ -529,6 +624,13 @@ def unmeasured_cost_model(config: ModelConfig, dtype: torch.dtype) -> CostModel:
                                       name="served")
     return CostModel(shape, HardwareProfile("unmeasured", flops=1e11, bandwidth=2e10,
                                             batch_multiple=1, overlap=0.0))
+
+
+def _by_level(arrivals: list[tuple[EngineRequest, int]]) -> dict[int, list[EngineRequest]]:
+    levels: dict[int, list[EngineRequest]] = {}
+    for req, level in arrivals:
+        levels.setdefault(level, []).append(req)
+    return levels
 
 
 def _step_shape(batch: list[tuple[_Seq, int]]) -> tuple[int, int, int, int, int]:

@@ -54,6 +54,15 @@ class Settings(BaseSettings):
     # A database/Redis outage or a full disk: retry a journal write this long before pausing the
     # batch (it resumes when the dependency is back; it is never failed for an outage)
     outage_retry_seconds: float = Field(default=30.0, ge=0)
+    # Several batches on one engine (server/shared_run.py). A worker claims more batches while
+    # the requests it holds (prompt + max_tokens each) stay under this budget; a batch of a
+    # higher-priority project, or one past its expires_at, joins whatever the budget.
+    worker_max_inflight_tokens: int = Field(default=1 << 20, ge=1)
+    project_max_inflight_tokens: int | None = Field(default=None, ge=1)  # per project; None = off
+    project_priorities: str | None = None  # "project:level,...": higher runs first (default 0)
+    # With Redis and k >= 2 live workers, a batch of at least this many lines is cut into k
+    # shards of equal predicted work that the workers run side by side (server/shards.py).
+    shard_min_lines: int = Field(default=1000, ge=2)
 
     @field_validator("data_dir")
     @classmethod
@@ -66,6 +75,12 @@ class Settings(BaseSettings):
         if v not in ("auto", "none") and not Path(v).expanduser().is_file():
             raise ValueError(f"BLENDSERVE_PROFILE {v!r} is neither auto, none nor a file")
         return v if v in ("auto", "none") else str(Path(v).expanduser().resolve())
+
+    @field_validator("project_priorities")
+    @classmethod
+    def _priorities_parse(cls, v: str | None) -> str | None:
+        _parse_priorities(v)
+        return v
 
     @model_validator(mode="after")
     def _refuse_open_server_off_loopback(self) -> Settings:
@@ -92,6 +107,27 @@ class Settings(BaseSettings):
                 raise ValueError(f"BLENDSERVE_API_KEYS entry {pair!r} is not key:project")
             out[key] = project
         return out
+
+
+    @cached_property
+    def priorities(self) -> dict[str, int]:
+        """Project → priority level (projects not named are at 0)."""
+        return _parse_priorities(self.project_priorities)
+
+
+def _parse_priorities(v: str | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for pair in (v or "").split(","):
+        if not pair.strip():
+            continue
+        project, sep, level = pair.strip().rpartition(":")
+        try:
+            out[project] = int(level)
+        except ValueError:
+            project = ""
+        if not sep or not project:
+            raise ValueError(f"BLENDSERVE_PROJECT_PRIORITIES entry {pair!r} is not project:level")
+    return out
 
 
 def _is_loopback(host: str) -> bool:

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -22,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from server import journal
 from server.config import Settings
 from server.models import BatchRow, BatchStatus, FileRow
-from server.outage import is_outage, retry_outages
+from server.outage import is_outage
 from server.storage import FileStorage
 
 if TYPE_CHECKING:
@@ -30,6 +29,9 @@ if TYPE_CHECKING:
     from server.pipeline import LineResult
 
 log = logging.getLogger(__name__)
+
+
+INTERNAL_ERROR = "The server hit an internal error while running this batch."
 
 
 class StopReason(StrEnum):
@@ -57,32 +59,16 @@ class JobContext:
 
 
 def run_batch(batch_id: str, ctx: JobContext) -> bool:
-    """Drive one claimed batch as far as it goes; True when it reached a terminal status."""
-    batch = _load(ctx, batch_id)
-    if batch is None or BatchStatus(batch.status).is_terminal:
-        return True
-    if batch.status == BatchStatus.VALIDATING:
-        _validate(ctx, batch)
-        batch = _load(ctx, batch_id)
-        assert batch is not None
-    if batch.status == BatchStatus.FAILED:
-        return True
-    if batch.status == BatchStatus.CANCELLING and batch.in_progress_at is None:
-        # Cancelled while validating: nothing ran, no files.
-        _transition(ctx, batch_id, {BatchStatus.CANCELLING}, BatchStatus.CANCELLED)
-        return True
-    if batch.status == BatchStatus.IN_PROGRESS:
-        if _run_lines(ctx, batch) is StopReason.INTERRUPTED:
-            return False
-        batch = _load(ctx, batch_id)
-        if batch is None:  # deleted while running
-            return True
-    return _finish(ctx, batch)
+    """Drive one claimed batch alone as far as it goes; True when it reached a terminal status.
+    (The worker runs batches together: server/shared_run.py; this is that run with one batch.)"""
+    from server.shared_run import SharedRun
+
+    return SharedRun(ctx).run(batch_id).get(batch_id, False)
 
 
 def fail_batch(ctx: JobContext, batch_id: str, message: str) -> None:
     """Mark a batch `failed` after a server-side error; journaled results still reach the files."""
-    batch = _load(ctx, batch_id)
+    batch = load_batch(ctx, batch_id)
     if batch is None or BatchStatus(batch.status).is_terminal:
         return
     files: tuple[FileRow | None, FileRow | None] = (None, None)
@@ -101,7 +87,7 @@ def fail_batch(ctx: JobContext, batch_id: str, message: str) -> None:
 # --- validating -------------------------------------------------------------------------------
 
 
-def _validate(ctx: JobContext, batch: BatchRow) -> None:
+def validate(ctx: JobContext, batch: BatchRow) -> None:
     from server.batch_input import validate_batch_file
 
     path = ctx.storage.path(batch.input_file_id)
@@ -141,11 +127,12 @@ def _validate(ctx: JobContext, batch: BatchRow) -> None:
 # --- in_progress ------------------------------------------------------------------------------
 
 
-class _StopCheck:
+class StopCheck:
     """The pipeline's `should_stop`: cheap clock checks every call, a status read every ~0.5 s."""
 
-    def __init__(self, ctx: JobContext, batch_id: str, expires_at: int | None) -> None:
-        self.ctx, self.batch_id, self.expires_at = ctx, batch_id, expires_at
+    def __init__(self, ctx: JobContext, batch_id: str, expires_at: int | None,
+                 shard: int | None = None) -> None:
+        self.ctx, self.batch_id, self.expires_at, self.shard = ctx, batch_id, expires_at, shard
         self.reason: StopReason | None = None
         self._next_poll = 0.0
 
@@ -163,61 +150,25 @@ class _StopCheck:
             return None
         self._next_poll = time.monotonic() + self.ctx.cancel_poll_seconds
         try:
-            batch = _load(self.ctx, self.batch_id)
+            batch = load_batch(self.ctx, self.batch_id)
         except Exception as e:
             if not is_outage(e):
                 raise
             return None  # the database is down: no news is no cancel; journaling waits for it
         if batch is None or batch.status == BatchStatus.CANCELLING:
             return StopReason.CANCELLED
-        if batch.status != BatchStatus.IN_PROGRESS or batch.worker_id != self.ctx.worker_id:
-            return StopReason.INTERRUPTED  # someone else moved or took the batch
+        if self.shard is None:
+            holder = batch.worker_id
+        else:
+            from server.shards import owner
+
+            holder = owner(self.ctx.sessions, self.batch_id, self.shard)
+        if batch.status != BatchStatus.IN_PROGRESS or holder != self.ctx.worker_id:
+            return StopReason.INTERRUPTED  # someone else moved or took the batch (or shard)
         return None
 
 
-def _run_lines(ctx: JobContext, batch: BatchRow) -> StopReason | None:
-    """Run every input line not yet journaled; returns why it stopped early, if it did."""
-    from server.batch_input import iter_batch_lines
-    from server.pipeline import run_lines
-
-    done = journal.done_ids(ctx.sessions, batch.id)
-    pending = (
-        line
-        for line in iter_batch_lines(ctx.storage.path(batch.input_file_id))
-        if line.custom_id not in done
-    )
-    stop = _StopCheck(ctx, batch.id, batch.expires_at)
-    if stop():  # cancelled or expired before anything (more) ran
-        return stop.reason
-    if len(done):
-        log.info(
-            "batch %s: resuming, %d of %d requests already journaled",
-            batch.id,
-            len(done),
-            batch.total,
-        )
-    engine = ctx.engine()
-    finished: list[Any] = []
-    started = time.monotonic()
-    results = run_lines(
-        pending, engine, endpoint=batch.endpoint, policy=ctx.policy, should_stop=stop,
-        finished=finished,
-    )
-    for result in results:
-        recorded = retry_outages(  # a database restart costs a pause, not the work in flight
-            partial(journal.record, ctx.sessions, batch.id, ctx.worker_id, result, now=ctx.now()),
-            what=f"batch {batch.id}: journaling {result.custom_id}",
-            give_up_after_s=ctx.settings.outage_retry_seconds,
-            stop=ctx.interrupted,
-        )
-        if not recorded:
-            return StopReason.INTERRUPTED  # claim lost: the new owner re-runs what we had in flight
-        ctx.on_result(result)
-    _write_report(ctx, batch.id, engine, finished, time.monotonic() - started)
-    return stop.reason
-
-
-def _write_report(ctx: JobContext, batch_id: str, engine: Engine, finished: list[Any],
+def write_report(ctx: JobContext, batch_id: str, engine: Engine, finished: list[Any],
                   seconds: float) -> None:
     """The plan report of this run (of what ran in it, after a resume); never fails the batch."""
     from server.plan_report import build_report, report_path, write_report
@@ -233,7 +184,7 @@ def _write_report(ctx: JobContext, batch_id: str, engine: Engine, finished: list
 # --- finalizing -------------------------------------------------------------------------------
 
 
-def _finish(ctx: JobContext, batch: BatchRow) -> bool:
+def finish(ctx: JobContext, batch: BatchRow) -> bool:
     """Pick the terminal status for a batch whose run is over, write its files, stamp it."""
     if batch.status == BatchStatus.CANCELLING:
         return _finalize(ctx, batch, BatchStatus.CANCELLED, {BatchStatus.CANCELLING})
@@ -244,10 +195,10 @@ def _finish(ctx: JobContext, batch: BatchRow) -> bool:
             missing = batch.total - journal.done_count(ctx.sessions, batch.id)
             raise RuntimeError(f"pipeline returned without {missing} requests and no stop reason")
         if not _transition(ctx, batch.id, {BatchStatus.IN_PROGRESS}, BatchStatus.FINALIZING):
-            fresh = _load(ctx, batch.id)  # a cancel raced with the last request
+            fresh = load_batch(ctx, batch.id)  # a cancel raced with the last request
             assert fresh is not None
-            return BatchStatus(fresh.status).is_terminal or _finish(ctx, fresh)
-        batch = _load(ctx, batch.id)  # type: ignore[assignment]
+            return BatchStatus(fresh.status).is_terminal or finish(ctx, fresh)
+        batch = load_batch(ctx, batch.id)  # type: ignore[assignment]
     if batch.status == BatchStatus.FINALIZING:
         return _finalize(ctx, batch, BatchStatus.COMPLETED, {BatchStatus.FINALIZING})
     return BatchStatus(batch.status).is_terminal
@@ -263,14 +214,14 @@ def _finalize(
     if _transition(ctx, batch.id, from_statuses, final, files=files):
         log.info("batch %s %s", batch.id, final.value)
         return True
-    fresh = _load(ctx, batch.id)
+    fresh = load_batch(ctx, batch.id)
     return fresh is None or BatchStatus(fresh.status).is_terminal
 
 
 # --- SQL helpers ------------------------------------------------------------------------------
 
 
-def _load(ctx: JobContext, batch_id: str) -> BatchRow | None:
+def load_batch(ctx: JobContext, batch_id: str) -> BatchRow | None:
     with ctx.sessions() as s:
         batch = s.get(BatchRow, batch_id)
         if batch is not None:

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from server.models import BatchResultRow, BatchRow, FileRow
+from server.models import BatchResultRow, BatchRow, BatchShardRow, FileRow
 from server.storage import FileStorage
 
 if TYPE_CHECKING:
@@ -32,12 +32,14 @@ NEVER_RAN_MESSAGES = {
 Sessions = sessionmaker[Session]
 
 
-def record(sessions: Sessions, batch_id: str, worker_id: str, r: LineResult, *, now: float) -> bool:
+def record(sessions: Sessions, batch_id: str, worker_id: str, r: LineResult, *, now: float,
+           shard: int | None = None) -> bool:
     """Journal one finished request with counts, usage and heartbeat; False if the claim is gone.
 
-    The UPDATE only matches while `worker_id` still owns the batch, so a worker whose claim was
-    taken over cannot write; the primary key refuses a custom_id that is already journaled (the
-    counts then stay as they were).
+    The UPDATE only matches while `worker_id` still owns the batch (or, for a shard, the shard
+    while its batch still runs), so a worker whose claim was taken over cannot write; the
+    primary key refuses a custom_id that is already journaled (the counts then stay as they
+    were).
     """
     with sessions() as s:
         try:
@@ -55,16 +57,29 @@ def record(sessions: Sessions, batch_id: str, worker_id: str, r: LineResult, *, 
                 )
             )
             s.flush()
+            if shard is None:
+                claim = sa.and_(BatchRow.id == batch_id, BatchRow.worker_id == worker_id)
+            else:
+                claim = sa.and_(BatchRow.id == batch_id,
+                                BatchRow.status.in_(["in_progress", "cancelling"]))
+                held = s.execute(
+                    sa.update(BatchShardRow)
+                    .where(BatchShardRow.batch_id == batch_id, BatchShardRow.shard == shard,
+                           BatchShardRow.worker_id == worker_id)
+                    .values(heartbeat_at=time.time())
+                ).rowcount  # type: ignore[attr-defined]  # a CursorResult for UPDATE
+                if held != 1:
+                    claim = sa.false()
             owned = s.execute(
                 sa.update(BatchRow)
-                .where(BatchRow.id == batch_id, BatchRow.worker_id == worker_id)
+                .where(claim)
                 .values(
                     completed=BatchRow.completed + int(r.ok),
                     failed=BatchRow.failed + int(not r.ok),
                     input_tokens=BatchRow.input_tokens + r.input_tokens,
                     cached_tokens=BatchRow.cached_tokens + r.cached_tokens,
                     output_tokens=BatchRow.output_tokens + r.output_tokens,
-                    heartbeat_at=time.time(),
+                    **({"heartbeat_at": time.time()} if shard is None else {}),
                 )
             ).rowcount  # type: ignore[attr-defined]  # a CursorResult for UPDATE
             if owned != 1:

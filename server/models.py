@@ -1,4 +1,4 @@
-"""SQL tables (SQLAlchemy 2 ORM): files, batches, batch_results. The schema is a contract with the
+"""SQL tables (SQLAlchemy 2 ORM): files, batches, batch_results, batch_shards. The schema is a contract with the
 worker (team brief); wire shapes live in schemas.py, never here."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import false as sa_false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -125,3 +126,20 @@ class BatchResultRow(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     output_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[int] = mapped_column(Integer)
+
+
+class BatchShardRow(Base):
+    """A piece of a large batch that one worker runs while others run the rest (data-parallel
+    shards, server/shards.py). Claimed like a batch: `worker_id` + a fresh `heartbeat_at`."""
+
+    __tablename__ = "batch_shards"
+
+    batch_id: Mapped[str] = mapped_column(
+        String(), ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True)
+    lines: Mapped[list[int]] = mapped_column(JSON)  # 1-based input lines, in planned order
+    created_at: Mapped[float] = mapped_column(Float)
+    done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
+    worker_id: Mapped[str | None] = mapped_column(String(), nullable=True)
+    heartbeat_at: Mapped[float | None] = mapped_column(Float, nullable=True)

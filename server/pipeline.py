@@ -62,20 +62,14 @@ def run_lines(
 
     def requests() -> Iterator[EngineRequest]:
         for item in lines:
-            request = to_engine_request(
-                str(item.line), endpoint, _served(item.body, model), engine.tokenizer,
-                served_model=model, max_model_len=engine.max_model_len,
-            )
-            if not isinstance(request, RequestError):
-                problem = engine.check(request)
-                if problem is None:
-                    in_flight[request.id] = _InFlight(item.custom_id, item.line)
-                    if finished is not None:
-                        sent[request.id] = request
-                    yield request
-                    continue
-                request = problem
-            rejected.append(_error(item.custom_id, item.line, request))
+            request = engine_request(item, engine, endpoint, str(item.line))
+            if isinstance(request, LineResult):
+                rejected.append(request)
+                continue
+            in_flight[request.id] = _InFlight(item.custom_id, item.line)
+            if finished is not None:
+                sent[request.id] = request
+            yield request
 
     for output in engine.generate(requests(), policy=policy, should_stop=should_stop):
         while rejected:
@@ -83,9 +77,26 @@ def run_lines(
         origin = in_flight.pop(output.id)
         if finished is not None:
             finished.append((sent.pop(output.id), output))
-        yield _finished(origin, output, endpoint, model)
+        yield line_result(origin.custom_id, origin.line, output, endpoint, model)
     while rejected:
         yield rejected.popleft()
+
+
+def engine_request(
+    item: BatchLine, engine: Engine, endpoint: str, request_id: str
+) -> EngineRequest | LineResult:
+    """The line as an engine request, or the error record of a line the engine cannot run."""
+    model = engine.model_name
+    request = to_engine_request(
+        request_id, endpoint, _served(item.body, model), engine.tokenizer,
+        served_model=model, max_model_len=engine.max_model_len,
+    )
+    if not isinstance(request, RequestError):
+        problem = engine.check(request)
+        if problem is None:
+            return request
+        request = problem
+    return _error(item.custom_id, item.line, request)
 
 
 def _served(body: dict[str, Any], model: str) -> dict[str, Any]:
@@ -97,15 +108,18 @@ def _served(body: dict[str, Any], model: str) -> dict[str, Any]:
     return body
 
 
-def _finished(origin: _InFlight, output: RequestOutput, endpoint: str, model: str) -> LineResult:
+def line_result(
+    custom_id: str, line: int, output: RequestOutput, endpoint: str, model: str
+) -> LineResult:
+    """The output or error record of a request the engine finished."""
     if output.error is not None:
-        return _error(origin.custom_id, origin.line, output.error)
+        return _error(custom_id, line, output.error)
     body = to_response_body(endpoint, output, model=model, created=int(time.time()))
     return LineResult(
-        custom_id=origin.custom_id,
-        line=origin.line,
+        custom_id=custom_id,
+        line=line,
         ok=True,
-        record=success_line(origin.custom_id, body),
+        record=success_line(custom_id, body),
         input_tokens=output.prompt_tokens,
         cached_tokens=output.cached_tokens,
         output_tokens=output.completion_tokens,

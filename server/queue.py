@@ -18,12 +18,14 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import sqlalchemy as sa
 
 from server.config import Settings
 from server.models import ACTIVE_STATUSES
+from server.shards import parse_unit, shard_unit
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,24 @@ log = logging.getLogger(__name__)
 ACTIVE = sorted(s.value for s in ACTIVE_STATUSES)
 
 STREAM = "blendserve:batches"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A batch a worker could claim, with what its claim rules look at."""
+
+    id: str  # a batch id, or a shard's unit id "batch_…#k" (server/shards.py)
+    project: str
+    expires_at: int | None
+    created_at: float
+    batch_id: str = ""  # the batch (== id unless a shard)
+    stalled: bool = False  # held by a worker that stopped heartbeating: a takeover
+
+
+Chooser = Callable[[list[Candidate]], list[str]]  # candidates -> ids to try, in order
+
 GROUP = "workers"
+WORKERS = "blendserve:worker:"  # + worker id: presence keys of live workers
 
 
 class BatchQueue(Protocol):
@@ -40,13 +59,17 @@ class BatchQueue(Protocol):
 
     def enqueue(self, batch_id: str) -> None: ...
 
-    def claim(self, worker_id: str) -> str | None: ...
+    def claim(self, worker_id: str, choose: Chooser | None = None) -> str | None: ...
 
     def heartbeat(self, batch_id: str, worker_id: str) -> bool: ...
 
     def release(self, batch_id: str, worker_id: str, *, terminal: bool) -> None: ...
 
     def recover(self, worker_id: str) -> list[str]: ...
+
+    def live_workers(self) -> int: ...
+
+    def register(self, worker_id: str) -> None: ...
 
     def close(self) -> None: ...
 
@@ -79,76 +102,103 @@ class SqlQueue:
     def enqueue(self, batch_id: str) -> None:
         """Nothing to do: a new batch is already visible to `claim` through its row."""
 
-    def claim(self, worker_id: str) -> str | None:
-        """Claim the oldest batch that needs work and has no live owner; None when there is none."""
+    def claim(self, worker_id: str, choose: Chooser | None = None) -> str | None:
+        """Claim a batch (or a shard of one) that needs work and has no live owner; None when
+        there is none.
+
+        Without `choose`, the oldest; with it, the first of `choose(candidates)` that this worker
+        wins (the worker's order and admission rules: priority, deadline, fair share, budget)."""
         now = self.clock()
         cutoff = now - self.stall_seconds
+        limit = 16 if choose is None else 256
         with self.engine.connect() as conn:
-            candidates = (
-                conn.execute(
-                    sa.text(
-                        "SELECT id FROM batches WHERE status IN :active"
-                        " AND (worker_id IS NULL OR heartbeat_at IS NULL OR heartbeat_at < :cutoff)"
-                        " ORDER BY created_at, id LIMIT 16"
-                    ).bindparams(sa.bindparam("active", expanding=True)),
-                    {"active": ACTIVE, "cutoff": cutoff},
-                )
-                .scalars()
-                .all()
-            )
-        for batch_id in candidates:
-            if self.try_claim(batch_id, worker_id):
-                return batch_id
+            batches = conn.execute(
+                sa.text(
+                    "SELECT id, project, expires_at, created_at, id, heartbeat_at IS NOT NULL"
+                    " FROM batches WHERE status IN :active AND " + _UNOWNED + " AND " + _UNSHARDED +
+                    " ORDER BY created_at, id LIMIT :limit"
+                ).bindparams(sa.bindparam("active", expanding=True)),
+                {"active": ACTIVE, "cutoff": cutoff, "limit": limit},
+            ).all()
+            shards = conn.execute(
+                sa.text(
+                    "SELECT s.batch_id, s.shard, b.project, b.expires_at, s.created_at,"
+                    " s.heartbeat_at IS NOT NULL FROM batch_shards s JOIN batches b"
+                    " ON b.id = s.batch_id WHERE b.status IN :running AND NOT s.done AND"
+                    " (s.worker_id IS NULL OR s.heartbeat_at IS NULL OR s.heartbeat_at < :cutoff)"
+                    " ORDER BY s.created_at, s.batch_id, s.shard LIMIT :limit"
+                ).bindparams(sa.bindparam("running", expanding=True)),
+                {"running": SHARD_RUNNING, "cutoff": cutoff, "limit": limit},
+            ).all()
+        candidates = [Candidate(r[0], r[1], r[2], r[3], r[4], bool(r[5])) for r in batches] + [
+            Candidate(shard_unit(r[0], r[1]), r[2], r[3], r[4], r[0], bool(r[5])) for r in shards
+        ]
+        candidates.sort(key=lambda c: (c.created_at, c.id))
+        ids = [c.id for c in candidates[:limit]] if choose is None else choose(candidates)
+        for unit in ids:
+            if self.try_claim(unit, worker_id):
+                return unit
         return None
 
     def try_claim(self, batch_id: str, worker_id: str) -> bool:
-        """One conditional UPDATE: True when this worker now owns the batch."""
+        """One conditional UPDATE: True when this worker now owns the batch (or shard)."""
         now = self.clock()
+        table, key, extra = _claim_target(batch_id)
         with self.engine.begin() as conn:
             prior = conn.execute(
-                sa.text("SELECT worker_id FROM batches WHERE id = :id"), {"id": batch_id}
+                sa.text(f"SELECT worker_id FROM {table} WHERE {key}"), extra
             ).scalar()
             claimed = conn.execute(
                 sa.text(
-                    "UPDATE batches SET worker_id = :w, heartbeat_at = :now"
-                    " WHERE id = :id AND status IN :active AND (worker_id IS NULL"
-                    " OR heartbeat_at IS NULL OR heartbeat_at < :cutoff)"
-                ).bindparams(sa.bindparam("active", expanding=True)),
+                    f"UPDATE {table} SET worker_id = :w, heartbeat_at = :now WHERE {key} AND "
+                    + (_SHARD_OPEN if table == "batch_shards" else
+                       "status IN :active AND " + _UNSHARDED) + " AND " + _UNOWNED
+                ).bindparams(*([sa.bindparam("active", expanding=True)]
+                               if table == "batches" else
+                               [sa.bindparam("running", expanding=True)])),
                 {
                     "w": worker_id,
                     "now": now,
-                    "id": batch_id,
                     "active": ACTIVE,
+                    "running": SHARD_RUNNING,
                     "cutoff": now - self.stall_seconds,
+                    **extra,
                 },
             ).rowcount
         if claimed == 1 and prior and prior != worker_id:
-            log.warning("worker %s took over stalled batch %s from %s", worker_id, batch_id, prior)
+            log.warning("worker %s took over stalled %s from %s", worker_id, batch_id, prior)
         return claimed == 1
 
     def heartbeat(self, batch_id: str, worker_id: str) -> bool:
-        """Refresh the claim; False when another worker has taken the batch over."""
+        """Refresh the claim; False when another worker has taken the batch (or shard) over."""
+        table, key, extra = _claim_target(batch_id)
         with self.engine.begin() as conn:
             return (
                 conn.execute(
-                    sa.text(
-                        "UPDATE batches SET heartbeat_at = :now WHERE id = :id AND worker_id = :w"
-                    ),
-                    {"now": self.clock(), "id": batch_id, "w": worker_id},
+                    sa.text(f"UPDATE {table} SET heartbeat_at = :now WHERE {key} AND worker_id = :w"),
+                    {"now": self.clock(), "w": worker_id, **extra},
                 ).rowcount
                 == 1
             )
 
     def release(self, batch_id: str, worker_id: str, *, terminal: bool) -> None:
         """Drop the claim (if still ours) so another worker, or this one later, can continue."""
+        table, key, extra = _claim_target(batch_id)
         with self.engine.begin() as conn:
             conn.execute(
                 sa.text(
-                    "UPDATE batches SET worker_id = NULL, heartbeat_at = NULL"
-                    " WHERE id = :id AND worker_id = :w"
+                    f"UPDATE {table} SET worker_id = NULL, heartbeat_at = NULL"
+                    f" WHERE {key} AND worker_id = :w"
                 ),
-                {"id": batch_id, "w": worker_id},
+                {"w": worker_id, **extra},
             )
+
+    def live_workers(self) -> int:
+        """Workers known to be alive (for sharding); SQL alone does not know: 1."""
+        return 1
+
+    def register(self, worker_id: str) -> None:
+        """Say this worker is alive (Redis only)."""
 
     def recover(self, worker_id: str) -> list[str]:
         """At worker start: drop claims of dead workers on this host, so a restart resumes at once.
@@ -159,30 +209,38 @@ class SqlQueue:
         """
         host, _, _ = worker_id.partition(":")
         with self.engine.connect() as conn:
-            rows = conn.execute(
+            rows = list(conn.execute(
                 sa.text(
                     "SELECT id, worker_id FROM batches WHERE status IN :active"
                     " AND worker_id LIKE :prefix"
                 ).bindparams(sa.bindparam("active", expanding=True)),
                 {"active": ACTIVE, "prefix": f"{host}:%"},
+            ).all())
+            rows += conn.execute(
+                sa.text(
+                    "SELECT s.batch_id || '#' || s.shard, s.worker_id FROM batch_shards s"
+                    " WHERE NOT s.done AND s.worker_id LIKE :prefix"
+                ),
+                {"prefix": f"{host}:%"},
             ).all()
         freed = []
         for batch_id, holder in rows:
             if holder != worker_id and not _local_worker_alive(holder):
-                with self.engine.begin() as conn:
-                    conn.execute(
-                        sa.text(
-                            "UPDATE batches SET worker_id = NULL, heartbeat_at = NULL"
-                            " WHERE id = :id AND worker_id = :w"
-                        ),
-                        {"id": batch_id, "w": holder},
-                    )
+                self.release(batch_id, holder, terminal=False)
                 log.warning("released batch %s held by dead worker %s", batch_id, holder)
                 freed.append(batch_id)
         return freed
 
     def status(self, batch_id: str) -> str | None:
+        """The batch's status; for a shard, its batch's while the shard is not done."""
+        batch, shard = parse_unit(batch_id)
         with self.engine.connect() as conn:
+            if shard is not None:
+                return conn.execute(
+                    sa.text("SELECT b.status FROM batches b JOIN batch_shards s ON s.batch_id = b.id"
+                            " WHERE b.id = :id AND s.shard = :k AND NOT s.done"),
+                    {"id": batch, "k": shard},
+                ).scalar()
             return conn.execute(
                 sa.text("SELECT status FROM batches WHERE id = :id"), {"id": batch_id}
             ).scalar()
@@ -230,10 +288,17 @@ class RedisQueue:
     def enqueue(self, batch_id: str) -> None:
         self.redis.xadd(self.stream, {"batch_id": batch_id})
 
-    def claim(self, worker_id: str) -> str | None:
+    def claim(self, worker_id: str, choose: Chooser | None = None) -> str | None:
         """Stalled messages first, then new ones, then the SQL poll (lost messages, restarts).
-        Redis down or restarted empty (no consumer group) only delays the stream: SQL answers."""
+        Redis down or restarted empty (no consumer group) only delays the stream: SQL answers.
+
+        With `choose` (a worker that already runs batches and picks what may join them), SQL
+        alone: the stream hands out batches in arrival order, which would skip the worker's
+        rules; its messages stay for idle workers."""
         import redis
+
+        if choose is not None:
+            return self.sql.claim(worker_id, choose)
 
         try:
             batch_id = self._claim_from_stream(worker_id)
@@ -308,8 +373,33 @@ class RedisQueue:
         """Free dead local claims; the batches come back through the SQL poll in `claim`."""
         return self.sql.recover(worker_id)
 
+    def register(self, worker_id: str) -> None:
+        """A presence key that lapses `stall_seconds` after this worker's last word."""
+        self.redis.set(f"{WORKERS}{worker_id}", b"1", px=self.stall_ms)
+
+    def live_workers(self) -> int:
+        """Workers whose presence key has not lapsed."""
+        return sum(1 for _ in self.redis.scan_iter(match=f"{WORKERS}*", count=1000))
+
     def close(self) -> None:
         self.redis.close()
+
+
+_UNOWNED = "(worker_id IS NULL OR heartbeat_at IS NULL OR heartbeat_at < :cutoff)"
+# A batch cut into shards is claimed shard by shard until every shard is done; then the batch
+# itself again (to finalise it, should its last shard's worker have died before doing so).
+_UNSHARDED = "NOT EXISTS (SELECT 1 FROM batch_shards s WHERE s.batch_id = batches.id AND NOT s.done)"
+_SHARD_OPEN = ("NOT done AND EXISTS (SELECT 1 FROM batches b WHERE b.id = batch_shards.batch_id"
+               " AND b.status IN :running)")
+SHARD_RUNNING = ["in_progress", "cancelling"]  # statuses in which a batch's shards are worked
+
+
+def _claim_target(unit: str) -> tuple[str, str, dict[str, Any]]:
+    """(table, WHERE key, its parameters) of a claim unit: a batch or one shard of it."""
+    batch_id, shard = parse_unit(unit)
+    if shard is None:
+        return "batches", "id = :id", {"id": batch_id}
+    return "batch_shards", "batch_id = :id AND shard = :k", {"id": batch_id, "k": shard}
 
 
 def _local_worker_alive(holder: str) -> bool:

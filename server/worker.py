@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import multiprocessing
 import os
 import secrets
@@ -16,7 +17,9 @@ import signal
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, Self
 
@@ -25,17 +28,16 @@ from sqlalchemy.orm import sessionmaker
 from server.config import Settings
 from server.db import upgrade
 from server.engine_monitor import EngineMonitor
-from server.jobs import JobContext, fail_batch, run_batch
+from server.jobs import INTERNAL_ERROR, JobContext, fail_batch
 from server.outage import is_outage, retry_outages
-from server.queue import BatchQueue, make_queue
+from server.queue import BatchQueue, Candidate, make_queue
+from server.shared_run import SharedRun
 from server.storage import FileStorage
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
 
 log = logging.getLogger("blendserve.worker")
-
-INTERNAL_ERROR = "The server hit an internal error while running this batch."
 
 
 class Worker:
@@ -86,6 +88,7 @@ class Worker:
         self._recover()
         while not self.stopping.is_set():
             # 1. Claim the oldest batch that needs work, or one whose owner stopped heartbeating.
+            self._register()
             batch_id = self._claim()
             if batch_id is None:
                 if until_idle:
@@ -93,10 +96,9 @@ class Worker:
                 # 2. Nothing to do: wait a poll interval (a signal wakes us at once).
                 self.stopping.wait(self.settings.worker_poll_seconds)
                 continue
-            # 3. Run it under a heartbeat; any error fails this batch only.
-            terminal = self.run_one(batch_id)
-            # 4. Log where it ended; an unfinished batch (shutdown, lost claim) stays resumable.
-            log.info("batch %s %s", batch_id, "done" if terminal else "left resumable")
+            # 3. Run it, and the batches that join it, on the engine (server/shared_run.py);
+            #    each is released as it ends; shutdown or a lost claim leaves one resumable.
+            self.run_one(batch_id)
         log.info("worker %s stopped", self.worker_id)
         return 0
 
@@ -107,23 +109,31 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - schema not there yet: stalled claims still expire
             log.warning("could not check for dead workers' claims (%s)", e)
 
+    def _register(self) -> None:
+        """Tell the queue this worker is alive (with Redis: how many workers shards are cut for)."""
+        try:
+            self.queue.register(self.worker_id)
+        except Exception as e:  # noqa: BLE001 - Redis down: fewer shards, nothing worse
+            log.debug("cannot register as a live worker (%s)", e)
+
     def _claim(self) -> str | None:
         try:
-            return self.queue.claim(self.worker_id)
+            return self.queue.claim(self.worker_id)  # then the run claims by the worker's rules
         except Exception as e:  # noqa: BLE001 - database not migrated yet, Redis restarting, ...: keep polling
             log.warning("cannot claim a batch yet (%s: %s)", type(e).__name__, e)
             self.stopping.wait(self.settings.worker_poll_seconds * 4)
             return None
 
     def run_one(self, batch_id: str) -> bool:
-        """Run one claimed batch and release the claim; True when the batch is terminal."""
+        """Run a claimed batch, and every batch that joins it on the engine, releasing each as it
+        ends; True when `batch_id` ended terminal."""
         try:
             policy = self.policy()  # loads the engine on first use
         except BaseException:
             self.queue.release(batch_id, self.worker_id, terminal=False)
             raise  # a worker without an engine is useless: exit loudly, the batch waits
-        terminal = False
-        with _Heartbeat(self.queue, batch_id, self.worker_id, self._heartbeat_seconds()) as beat:
+        with _Heartbeat(self.queue, self.worker_id, self._heartbeat_seconds()) as beat:
+            claims = _WorkerClaims(self, beat)
             ctx = JobContext(
                 settings=self.settings,
                 sessions=self.sessions,
@@ -131,27 +141,38 @@ class Worker:
                 engine=self.engine,
                 policy=policy,
                 worker_id=self.worker_id,
-                interrupted=lambda: self.stopping.is_set() or beat.lost.is_set(),
+                interrupted=self.stopping.is_set,
                 now=self.now,
                 on_result=self.monitor.on_result,
             )
+            run = SharedRun(ctx, claims, levels=self.settings.priorities)
+            claims.held(batch_id)
             self.monitor.running(batch_id)
             try:
-                terminal = run_batch(batch_id, ctx)
-            except Exception as e:
-                if is_outage(e):  # the database, Redis or the disk, not the batch: pause it
-                    log.warning("batch %s paused, a dependency is down (%s: %s); it resumes "
-                                "when it is back", batch_id, type(e).__name__, e)
-                    self._release_after_outage(batch_id)
-                    self.monitor.running(None)
-                    return False
-                log.exception("batch %s failed on a server error", batch_id)
-                try:
-                    fail_batch(ctx, batch_id, INTERNAL_ERROR)
-                    terminal = True
-                except Exception:
-                    log.exception("could not mark batch %s failed", batch_id)
-        self.monitor.running(None)
+                ended = run.run(batch_id)
+            except Exception as e:  # noqa: BLE001 - every held batch is paused or failed
+                ended = dict(run.ended)
+                for held in list(run.held):
+                    ended[held] = self._after_error(ctx, held, e)
+            self.monitor.running(None)
+        for held_id, terminal in ended.items():
+            log.info("batch %s %s", held_id, "done" if terminal else "left resumable")
+        return ended.get(batch_id, False)
+
+    def _after_error(self, ctx: JobContext, batch_id: str, e: Exception) -> bool:
+        """A shared run broke: pause its batches for an outage, else fail them (server error)."""
+        if is_outage(e):  # the database, Redis or the disk, not the batch: pause it
+            log.warning("batch %s paused, a dependency is down (%s: %s); it resumes when it is "
+                        "back", batch_id, type(e).__name__, e)
+            self._release_after_outage(batch_id)
+            return False
+        log.error("batch %s failed on a server error", batch_id, exc_info=e)
+        terminal = False
+        try:
+            fail_batch(ctx, batch_id, INTERNAL_ERROR)
+            terminal = True
+        except Exception:
+            log.exception("could not mark batch %s failed", batch_id)
         try:
             self.queue.release(batch_id, self.worker_id, terminal=terminal)
         except Exception:  # the claim then goes stale and is taken over
@@ -181,24 +202,131 @@ class Worker:
         self.db.dispose()
 
 
-class _Heartbeat:
-    """A thread that refreshes the claim while the job runs (engine steps can be long)."""
+class _WorkerClaims:
+    """What may join a worker's shared run, in which order (server/shared_run.Claims).
 
-    def __init__(self, queue: BatchQueue, batch_id: str, worker_id: str, every: float) -> None:
-        self.queue, self.batch_id, self.worker_id, self.every = queue, batch_id, worker_id, every
-        self.lost = threading.Event()  # another worker took the batch over
+    Order: the higher project priority, then the earlier `expires_at`, then the project with
+    fewer batches in the run (fair share), then the older batch. A candidate joins while the run
+    holds fewer than `worker_max_inflight_tokens` (and its project fewer than
+    `project_max_inflight_tokens`); one of a higher priority than everything running, or one
+    already past its `expires_at` (it only needs finalising), joins regardless.
+    """
+
+    def __init__(self, worker: Worker, beat: _Heartbeat) -> None:
+        self.worker, self.beat = worker, beat
+
+    def claim_next(self, run: SharedRun | None) -> str | None:
+        w = self.worker
+        try:
+            batch_id = w.queue.claim(w.worker_id, partial(self.choose, run))
+        except Exception as e:  # noqa: BLE001 - the run goes on; the next poll tries again
+            log.warning("cannot claim another batch now (%s: %s)", type(e).__name__, e)
+            return None
+        if batch_id is not None:
+            self.held(batch_id)
+        return batch_id
+
+    def choose(self, run: SharedRun | None, candidates: list[Candidate]) -> list[str]:
+        settings, now = self.worker.settings, self.worker.now()
+        prio = settings.priorities
+        held = run.held if run is not None else {}
+        in_run = Counter(h.project for h in held.values())
+        lowest = run.lowest_level() if run is not None else None
+        total = run.tokens_in_flight() if run is not None else 0
+
+        shards_held = {h.batch_id for h in held.values() if h.shard is not None}
+
+        def may_join(c: Candidate) -> bool:
+            if c.id != c.batch_id and c.batch_id in shards_held and not c.stalled \
+                    and now - c.created_at < settings.worker_stall_seconds:
+                return False  # a fresh shard of a batch we run: left for another worker
+            if not held or (c.expires_at is not None and c.expires_at <= now):
+                return True
+            if lowest is not None and prio.get(c.project, 0) > lowest:
+                return True
+            cap = settings.project_max_inflight_tokens
+            if cap is not None and run is not None and run.tokens_in_flight(c.project) >= cap:
+                return False
+            return total < settings.worker_max_inflight_tokens
+
+        ranked = sorted(
+            (c for c in candidates if c.id not in held),
+            key=lambda c: (-prio.get(c.project, 0), c.expires_at or math.inf, in_run[c.project],
+                           c.created_at, c.id),
+        )
+        return [c.id for c in ranked if may_join(c)]
+
+    def shards_for(self, total_lines: int) -> int:
+        """Shards to cut a batch of `total_lines` into: the live workers, on Redis, for a batch
+        of at least `shard_min_lines`; else 1 (it stays whole)."""
+        w = self.worker
+        if not w.settings.redis_url or total_lines < w.settings.shard_min_lines:
+            return 1
+        try:
+            return max(w.queue.live_workers(), 1)
+        except Exception as e:  # noqa: BLE001 - Redis down: run it whole
+            log.warning("cannot count live workers (%s); the batch stays whole", e)
+            return 1
+
+    def enqueue(self, units: list[str]) -> None:
+        for unit in units:
+            try:
+                self.worker.queue.enqueue(unit)
+            except Exception as e:  # noqa: BLE001 - the SQL poll finds the shard anyway
+                log.warning("could not announce %s on the queue (%s)", unit, e)
+
+    def held(self, batch_id: str) -> None:
+        self.beat.add(batch_id)
+        self.worker.monitor.running(batch_id)
+
+    def lost(self, batch_id: str) -> bool:
+        return batch_id in self.beat.lost
+
+    def release(self, batch_id: str, *, terminal: bool) -> None:
+        self.beat.discard(batch_id)
+        try:
+            self.worker.queue.release(batch_id, self.worker.worker_id, terminal=terminal)
+        except Exception:  # the claim then goes stale and is taken over
+            log.exception("could not release batch %s", batch_id)
+
+
+class _Heartbeat:
+    """A thread that refreshes the claims of a shared run's batches (engine steps can be long)."""
+
+    def __init__(self, queue: BatchQueue, worker_id: str, every: float) -> None:
+        self.queue, self.worker_id, self.every = queue, worker_id, every
+        self.lost: set[str] = set()  # batches another worker took over
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def add(self, batch_id: str) -> None:
+        with self._lock:
+            self._ids.add(batch_id)
+            self.lost.discard(batch_id)
+
+    def discard(self, batch_id: str) -> None:
+        with self._lock:
+            self._ids.discard(batch_id)
 
     def _run(self) -> None:
         while not self._done.wait(self.every):
             try:
-                if not self.queue.heartbeat(self.batch_id, self.worker_id):
-                    log.warning("lost the claim on batch %s", self.batch_id)
-                    self.lost.set()
-                    return
-            except Exception as e:  # noqa: BLE001 - a blip; the next beat retries
-                log.warning("heartbeat for %s failed: %s", self.batch_id, e)
+                self.queue.register(self.worker_id)
+            except Exception as e:  # noqa: BLE001 - Redis down: fewer shards, nothing worse
+                log.debug("cannot register as a live worker (%s)", e)
+            with self._lock:
+                ids = sorted(self._ids)
+            for batch_id in ids:
+                try:
+                    if not self.queue.heartbeat(batch_id, self.worker_id):
+                        log.warning("lost the claim on batch %s", batch_id)
+                        with self._lock:
+                            self.lost.add(batch_id)
+                            self._ids.discard(batch_id)
+                except Exception as e:  # noqa: BLE001 - a blip; the next beat retries
+                    log.warning("heartbeat for %s failed: %s", batch_id, e)
 
     def __enter__(self) -> Self:
         self._thread.start()

@@ -1,0 +1,191 @@
+"""Several batches on one worker's engine at once (server/shared_run.py): they run together, share
+a system prompt's KV, stop alone (cancel, expiry) without touching the others, and a
+high-priority project's batch goes first."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from runtime.engine import Engine, EngineConfig
+from runtime.loader import DEFAULT_MODEL, load_model
+
+from scheduler.mix import MixPolicy
+from server.config import Settings
+from server.worker import Worker
+from tests.server.test_worker import (  # noqa: F401 - fixtures
+    REPO,
+    batch_row,
+    chat_line,
+    db,
+    journaled,
+    seed_batch,
+    set_status,
+    settings,
+)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    """The default model with room for a few long requests at once."""
+    import torch
+
+    torch.set_num_threads(2)
+    return Engine(load_model(DEFAULT_MODEL, data_dir=REPO / "data"),
+                  EngineConfig(max_batch_tokens=512, kv_memory_bytes=64 << 20))
+
+
+def _project(db: sa.Engine, batch_id: str, project: str) -> None:
+    with db.begin() as conn:
+        conn.execute(sa.text("UPDATE batches SET project = :p WHERE id = :id"),
+                     {"p": project, "id": batch_id})
+
+
+def _lines(tag: str, n: int, system: str | None = None, **body: Any) -> list[dict[str, Any]]:
+    out = []
+    for i in range(n):
+        line = chat_line(i, **body)
+        line["custom_id"] = f"{tag}-{i}"
+        if system is not None:
+            line["body"]["messages"].insert(0, {"role": "system", "content": system})
+        out.append(line)
+    return out
+
+
+def _lines_of(settings: Settings, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    data = (settings.data_dir / "files" / file_id).read_bytes()
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def _ids(settings: Settings, db: sa.Engine, batch_id: str) -> list[str]:
+    b = batch_row(db, batch_id)
+    return sorted(r["custom_id"] for r in _lines_of(settings, b.output_file_id)
+                  + _lines_of(settings, b.error_file_id))
+
+
+def test_batches_queued_together_run_on_the_engine_together(settings, db, engine) -> None:
+    batches = [seed_batch(settings, db, _lines(f"b{k}", 4, max_tokens=3)) for k in range(6)]
+    for k, b in enumerate(batches):
+        _project(db, b, "alpha" if k % 2 else "beta")
+    worker = Worker(settings, engine=engine)
+    assert worker.run(until_idle=True) == 0
+    worker.close()
+    for k, b in enumerate(batches):
+        row = batch_row(db, b)
+        assert row.status == "completed" and (row.completed, row.failed) == (4, 0)
+        assert _ids(settings, db, b) == sorted(f"b{k}-{i}" for i in range(4))
+    mix = engine.last_policy
+    assert isinstance(mix, MixPolicy) and mix.replans >= 1  # later batches joined the plan
+
+
+def test_two_batches_sharing_a_system_prompt_both_read_it_from_the_cache(
+    settings, db, engine
+) -> None:
+    system = "You are the archive of a shipping company. " * 12 + f"Run {time.time_ns()}."
+    a = seed_batch(settings, db, _lines("a", 2, system))
+    b = seed_batch(settings, db, _lines("b", 2, system))
+    worker = Worker(settings, engine=engine)
+    assert worker.run(until_idle=True) == 0
+    worker.close()
+    ra, rb = batch_row(db, a), batch_row(db, b)
+    assert ra.status == rb.status == "completed"
+    prompt_each = ra.input_tokens // 2
+    assert ra.cached_tokens > 0 and rb.cached_tokens > 0
+    # the system prompt was computed once for the four requests: three read it from the cache
+    assert ra.cached_tokens + rb.cached_tokens >= 3 * (prompt_each - 64)
+
+
+def test_cancelling_one_batch_of_a_shared_run_leaves_the_others_intact(
+    settings, db, engine
+) -> None:
+    victim = seed_batch(settings, db, _lines("v", 10, max_tokens=400, ignore_eos=True))
+    others = [seed_batch(settings, db, _lines(f"o{k}", 3, max_tokens=8, ignore_eos=True))
+              for k in range(2)]
+    cancelled_at: list[float] = []
+
+    def cancel_when_running() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if batch_row(db, victim).status != "in_progress":
+                if batch_row(db, victim).status != "validating":
+                    return  # ended before anything joined: the assertions say so
+            elif batch_row(db, others[0]).status != "validating":  # it joined the run
+                time.sleep(0.3)
+                set_status(db, victim, "cancelling")
+                cancelled_at.append(time.time())
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=cancel_when_running)
+    watcher.start()
+    worker = Worker(settings, engine=engine)
+    assert worker.run(until_idle=True) == 0
+    worker.close()
+    watcher.join()
+    v = batch_row(db, victim)
+    assert v.status == "cancelled" and cancelled_at
+    assert v.cancelled_at is not None and v.cancelled_at - cancelled_at[0] < 15
+    err = _lines_of(settings, v.error_file_id)
+    assert err and {r["error"]["code"] for r in err} == {"batch_cancelled"}
+    assert _ids(settings, db, victim) == sorted(f"v-{i}" for i in range(10))
+    for k, o in enumerate(others):
+        row = batch_row(db, o)
+        assert row.status == "completed" and (row.completed, row.failed) == (3, 0)
+        assert _ids(settings, db, o) == sorted(f"o{k}-{i}" for i in range(3))
+
+
+def test_a_window_far_too_short_ends_expired_on_time(settings, db, engine) -> None:
+    big = seed_batch(settings, db, _lines("x", 40, max_tokens=1000, ignore_eos=True))
+    small = seed_batch(settings, db, _lines("s", 2, max_tokens=4))
+    expires_at = int(time.time()) + 3
+    with db.begin() as conn:
+        conn.execute(sa.text("UPDATE batches SET expires_at = :e WHERE id = :id"),
+                     {"e": expires_at, "id": big})
+    worker = Worker(settings, engine=engine)
+    assert worker.run(until_idle=True) == 0
+    worker.close()
+    b = batch_row(db, big)
+    assert b.status == "expired" and b.expired_at is not None
+    assert b.expired_at - expires_at <= 15
+    out = _lines_of(settings, b.output_file_id)
+    err = _lines_of(settings, b.error_file_id)
+    assert len(out) == b.completed and {r["error"]["code"] for r in err} <= {"batch_expired"}
+    assert _ids(settings, db, big) == sorted(f"x-{i}" for i in range(40))
+    assert batch_row(db, small).status == "completed"
+
+
+def test_a_high_priority_project_goes_before_large_batches_queued_earlier(
+    make_settings, engine
+) -> None:
+    from server.db import make_engine, upgrade
+
+    settings = make_settings(worker_poll_seconds=0.05, policy="fcfs",
+                             project_priorities="vip:10")
+    upgrade(settings)
+    db = make_engine(settings)
+    bulk = [seed_batch(settings, db, _lines(f"bulk{k}", 12, max_tokens=60, ignore_eos=True))
+            for k in range(3)]
+    vip = seed_batch(settings, db, _lines("vip", 2, max_tokens=4, ignore_eos=True))
+    _project(db, vip, "vip")
+    worker = Worker(settings, engine=engine)
+    assert worker.run(until_idle=True) == 0
+    worker.close()
+    v = batch_row(db, vip)
+    assert v.status == "completed"
+    for b in bulk:
+        row = batch_row(db, b)
+        assert row.status == "completed"
+        assert v.completed_at is not None and row.completed_at is not None
+        assert v.completed_at <= row.completed_at
+    with db.connect() as conn:  # the vip lines were journaled before most of the bulk lines
+        order = conn.execute(sa.text(
+            "SELECT custom_id FROM batch_results ORDER BY rowid")).scalars().all()
+    assert max(order.index(f"vip-{i}") for i in range(2)) < len(order) // 2
+    db.dispose()
