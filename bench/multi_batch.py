@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
-from bench.cpu_workloads import _text  # noqa: E402
-from tests.server.live_process import Server, free_port, model_data_dir  # noqa: E402
+from bench.cpu_workloads import _text
+from tests.server.live_process import Server, free_port, model_data_dir
 
 KEYS = {"alpha": "sk-alpha-0123456789", "beta": "sk-beta-0123456789"}
 

@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
-from tests.server.live_process import Proc, Server, free_port, model_data_dir  # noqa: E402
-from tests.server.scratch_services import ScratchRedis  # noqa: E402
+from tests.server.live_process import Proc, Server, free_port, model_data_dir
+from tests.server.scratch_services import ScratchRedis
 
 STALL_S = "10"
 

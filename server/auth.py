@@ -15,9 +15,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from server.config import DEFAULT_PROJECT
 from server.errors import APIError
 
-DEFAULT_PROJECT = "default"
 KEY_COOKIE = "blendserve_key"
 _READ_METHODS = ("GET", "HEAD")
 

@@ -2,16 +2,61 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
+import json
 from functools import cached_property
 from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEFAULT_PROJECT = "default"  # every object's project when no API keys are configured
+
+
+class WebhookTarget(BaseModel):
+    """Where one project's batch events go, and the Standard Webhooks secret that signs them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str  # http(s) URL the events are POSTed to
+    secret: str = Field(repr=False)  # "whsec_" + base64 of the HMAC key
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"webhook url {v!r} is not an http(s) URL")
+        return v
+
+    @field_validator("secret")
+    @classmethod
+    def _whsec(cls, v: str) -> str:
+        if not v.startswith("whsec_"):
+            raise ValueError("webhook secret must start with 'whsec_'")
+        try:
+            key = base64.b64decode(v.removeprefix("whsec_"), validate=True)
+        except binascii.Error:
+            raise ValueError("webhook secret after 'whsec_' is not valid base64") from None
+        if not key:
+            raise ValueError("webhook secret is empty after 'whsec_'")
+        return v
+
+    @property
+    def key(self) -> bytes:
+        """The HMAC-SHA256 key: the secret's base64 part, decoded."""
+        return base64.b64decode(self.secret.removeprefix("whsec_"))
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="BLENDSERVE_", extra="ignore")
+    # Inputs stay out of error messages: DATABASE_URL, API_KEYS and WEBHOOKS carry secrets.
+    model_config = SettingsConfigDict(
+        env_prefix="BLENDSERVE_", extra="ignore", hide_input_in_errors=True
+    )
 
     data_dir: Path = Path("./data")
     database_url: str | None = None  # None = sqlite:///<data_dir>/blendserve.db
@@ -64,6 +109,9 @@ class Settings(BaseSettings):
     # shards of equal predicted work that the workers run side by side (server/shards.py).
     shard_min_lines: int = Field(default=1000, ge=2)
 
+    # Webhooks (server/webhooks.py): JSON {"project": {"url": ..., "secret": "whsec_..."}}
+    webhooks: Annotated[dict[str, WebhookTarget], NoDecode] = Field(default_factory=dict)
+
     @field_validator("data_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
@@ -81,6 +129,28 @@ class Settings(BaseSettings):
     def _priorities_parse(cls, v: str | None) -> str | None:
         _parse_priorities(v)
         return v
+
+    @field_validator("webhooks", mode="before")
+    @classmethod
+    def _webhooks_json(cls, v: Any) -> Any:
+        if not isinstance(v, str):
+            return v  # already a dict (Settings(**fields) in a spawned worker)
+        try:
+            return json.loads(v) if v.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"BLENDSERVE_WEBHOOKS is not valid JSON: {e}") from None
+
+    @model_validator(mode="after")
+    def _webhooks_name_known_projects(self) -> Settings:
+        """A misspelt project would silently never fire: refuse it at start."""
+        projects = set(self.key_projects.values()) or {DEFAULT_PROJECT}
+        unknown = sorted(set(self.webhooks) - projects)
+        if unknown:
+            raise ValueError(
+                f"BLENDSERVE_WEBHOOKS names projects no API key maps to: {unknown}; "
+                f"known: {sorted(projects)}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _refuse_open_server_off_loopback(self) -> Settings:

@@ -269,4 +269,8 @@ def _transition(
         for row in files:
             if row is not None:
                 s.merge(row)
+        if to.is_terminal:  # its webhook event commits with the status, or not at all
+            from server.webhooks import record_event
+
+            record_event(s, ctx.settings, batch_id, to, created_at=values[_STAMPS[to]])
     return True

@@ -1,5 +1,5 @@
-"""SQL tables (SQLAlchemy 2 ORM): files, batches, batch_results, batch_shards. The schema is a contract with the
-worker (team brief); wire shapes live in schemas.py, never here."""
+"""SQL tables (SQLAlchemy 2 ORM): files, batches, batch_results, batch_shards, webhook_events. The
+schema is a contract with the worker (team brief); wire shapes live in schemas.py, never here."""
 
 from __future__ import annotations
 
@@ -143,3 +143,24 @@ class BatchShardRow(Base):
     done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
     worker_id: Mapped[str | None] = mapped_column(String(), nullable=True)
     heartbeat_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class WebhookEventRow(Base):
+    """A batch event to POST to its project's webhook: an outbox row, written in the transaction
+    that made the batch terminal, so no event is lost to a crash (server/webhooks.py sends it)."""
+
+    __tablename__ = "webhook_events"
+    __table_args__ = (Index("ix_webhook_events_due", "status", "next_attempt_at"),)
+
+    id: Mapped[str] = mapped_column(String(), primary_key=True)  # "evt_" + 24 hex: webhook-id
+    project: Mapped[str] = mapped_column(String())  # whose webhook (resolved when sending)
+    batch_id: Mapped[str] = mapped_column(String())
+    type: Mapped[str] = mapped_column(String())  # "batch.completed", "batch.failed", ...
+    payload: Mapped[str] = mapped_column(Text)  # the exact JSON body, the same on every attempt
+    status: Mapped[str] = mapped_column(String(), default="pending", server_default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Unix seconds (float): when the next attempt is due; a claim pushes it one lease ahead.
+    next_attempt_at: Mapped[float] = mapped_column(Float)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[int] = mapped_column(Integer)  # unix seconds, the batch's terminal stamp
+    delivered_at: Mapped[int | None] = mapped_column(Integer, nullable=True)

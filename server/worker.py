@@ -53,6 +53,7 @@ class Worker:
         now: Callable[[], float] = time.time,
     ) -> None:
         from server.db import make_engine
+        from server.webhooks import WebhookSender
 
         self.settings = settings
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -69,6 +70,7 @@ class Worker:
         if engine is not None:
             self.monitor.attach(engine)
         self._policy: str | None = None
+        self.webhooks = WebhookSender(settings, self.sessions) if settings.webhooks else None
 
     def engine(self) -> Engine:
         if self._engine is None:
@@ -85,6 +87,8 @@ class Worker:
         """The loop; `until_idle` returns once no batch needs work (tests, one-shot runs)."""
         log.info("worker %s started (queue: %s)", self.worker_id, type(self.queue).__name__)
         self.monitor.start()
+        if self.webhooks is not None:
+            self.webhooks.start()
         self._recover()
         while not self.stopping.is_set():
             # 1. Claim the oldest batch that needs work, or one whose owner stopped heartbeating.
@@ -197,6 +201,8 @@ class Worker:
         return max(self.settings.worker_stall_seconds / 4, 0.05)
 
     def close(self) -> None:
+        if self.webhooks is not None:
+            self.webhooks.close()
         self.monitor.close()
         self.queue.close()
         self.db.dispose()

@@ -15,7 +15,7 @@ from server.db import downgrade, make_engine, upgrade
 from server.models import Base
 from tests.server.conftest import fresh_pg_database
 
-TABLES = {"files", "batches", "batch_results"}
+TABLES = {"files", "batches", "batch_results", "webhook_events", "batch_shards"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -4,6 +4,7 @@ sharing one large batch, one of them killed with kill -9 — every custom_id exa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,20 @@ import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
 from server import shards
+from server.config import Settings
 from server.queue import SqlQueue
-from tests.server.test_worker import chat_line, db, seed_batch, settings  # noqa: F401 - fixtures
+from tests.server import test_worker
+from tests.server.test_worker import chat_line, seed_batch
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., Settings]) -> Settings:
+    return test_worker.worker_settings(make_settings)
+
+
+@pytest.fixture
+def db(settings: Settings) -> Iterator[sa.Engine]:
+    yield from test_worker.database(settings)
 
 
 def _in_progress(db: sa.Engine, batch_id: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -14,20 +15,21 @@ import sqlalchemy as sa
 
 from runtime.engine import Engine, EngineConfig
 from runtime.loader import DEFAULT_MODEL, load_model
-
 from scheduler.mix import MixPolicy
 from server.config import Settings
 from server.worker import Worker
-from tests.server.test_worker import (  # noqa: F401 - fixtures
-    REPO,
-    batch_row,
-    chat_line,
-    db,
-    journaled,
-    seed_batch,
-    set_status,
-    settings,
-)
+from tests.server import test_worker
+from tests.server.test_worker import REPO, batch_row, chat_line, seed_batch, set_status
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., Settings]) -> Settings:
+    return test_worker.worker_settings(make_settings)
+
+
+@pytest.fixture
+def db(settings: Settings) -> Iterator[sa.Engine]:
+    yield from test_worker.database(settings)
 
 
 @pytest.fixture(scope="module")

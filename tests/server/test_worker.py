@@ -40,19 +40,27 @@ def engine() -> Engine:
     return Engine(model, EngineConfig(max_batch_tokens=512, kv_memory_bytes=4 << 20))
 
 
-@pytest.fixture
-def settings(make_settings: Callable[..., Settings]) -> Settings:
+def worker_settings(make_settings: Callable[..., Settings]) -> Settings:
     """A migrated SQLite database in a tmp data dir; the worker polls fast and runs fcfs."""
     settings = make_settings(worker_poll_seconds=0.05, policy="fcfs")
     upgrade(settings)
     return settings
 
 
-@pytest.fixture
-def db(settings: Settings) -> Iterator[sa.Engine]:
+def database(settings: Settings) -> Iterator[sa.Engine]:
     engine = make_engine(settings)
     yield engine
     engine.dispose()
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., Settings]) -> Settings:
+    return worker_settings(make_settings)
+
+
+@pytest.fixture
+def db(settings: Settings) -> Iterator[sa.Engine]:
+    yield from database(settings)
 
 
 def chat_line(i: int, **body: Any) -> dict[str, Any]:
