@@ -9,8 +9,9 @@ squares on relative error,
     t = W + tokens·s_token + rows·s_row + pairs·s_pair + kv·s_kv
 
 — overlap 0, because this runtime runs attention and GEMMs one after the other on one stream.
-A short real run through `Engine.generate` then measures what the forward alone misses (the
-engine's host-side scheduling and bookkeeping), which goes into W. The JSON it writes is what
+The steps of a representative real run through `Engine.generate` (long prompts at the step cap,
+mixed steps, decode batches) join the fit, so it also covers what the forward alone misses (the
+engine's sampling, scheduling and bookkeeping) and how long chunks really scale. The JSON it writes is what
 `HardwareProfile.from_json` reads; profiles are cached under DATA_DIR/profiles/ keyed by model,
 device, dtype and threads (`cached_profile_path`).
 """
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: real steps of a representative run in the fit
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
 
 
@@ -153,16 +154,21 @@ def predict(coef: dict[str, float], s: Sample) -> float:
     return float(np.dot([coef[f] for f in FEATURES], s.features()))
 
 
-def calibration_requests(vocab_size: int, n: int = 12) -> list[EngineRequest]:
-    """A short mixed run: prompts of 40-300 tokens, half sharing a 64-token prefix, 24 tokens out."""
+def calibration_requests(vocab_size: int, max_len: int, n: int = 24) -> list[EngineRequest]:
+    """A representative run: prompts of 40 to 1,600 tokens (half sharing a 64-token prefix) and
+    8 to 96 output tokens, so its steps span long prefill chunks at the step cap, mixed steps and
+    decode batches of every size, with the engine's own sampling and bookkeeping in each."""
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(1, vocab_size, (64,), generator=gen).tolist()
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    out = []
+    prompts = (40, 1600, 120, 900, 300, 600)
+    outs = (8, 96, 32)
+    reqs = []
     for i in range(n):
-        tail = torch.randint(1, vocab_size, (40 + 23 * i,), generator=gen).tolist()
-        out.append(EngineRequest(f"p{i}", (shared if i % 2 else []) + tail, params))
-    return out  # the step log counts the KV decodes really read, shared prefixes once
+        p = min(prompts[i % len(prompts)], max_len // 2)
+        params = SamplingParams(max_tokens=outs[i % len(outs)], temperature=0.0, ignore_eos=True)
+        tail = torch.randint(1, vocab_size, (p,), generator=gen).tolist()
+        reqs.append(EngineRequest(f"p{i}", (shared if i % 2 else []) + tail, params))
+    return reqs  # the step log counts the KV decodes really read, shared prefixes once
 
 
 def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
@@ -170,15 +176,16 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
     started = time.perf_counter()
     device = engine.model.device
     scale = 1 if device.type == "cpu" else 8
-    samples = [Sample.of(q, k, time_step(engine, q, k, reps))
-               for q, k in step_shapes(engine.kv_capacity_tokens, scale)]
-    coef, fit_error = fit(samples)
-    # What the forward alone misses: time a short real run and move the mean gap into W.
-    list(engine.generate(calibration_requests(engine.vocab_size), policy="fcfs"))
+    shapes = [Sample.of(q, k, time_step(engine, q, k, reps))
+              for q, k in step_shapes(engine.kv_capacity_tokens, scale)]
+    # The real steps of a representative run join the fit: what a step costs beyond the forward
+    # (sampling, scheduling, stop checks, cache bookkeeping) and how long chunks really scale.
+    list(engine.generate(calibration_requests(engine.vocab_size, engine.max_model_len),
+                         policy="fcfs"))
     steps = [Sample.from_record(r) for r in engine.step_log]
-    gap = float(np.mean([s.seconds - predict(coef, s) for s in steps]))
-    coef["step_fixed_s"] = max(coef["step_fixed_s"] + gap, 0.0)
+    coef, fit_error = fit(shapes + steps)
     run_error = float(np.mean([abs(predict(coef, s) - s.seconds) / s.seconds for s in steps]))
+    run_total = sum(predict(coef, s) for s in steps) / sum(s.seconds for s in steps) - 1.0
     cfg = engine.model.config
     dtype = str(engine.dtype).removeprefix("torch.")
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
@@ -199,9 +206,9 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         "kv_capacity_bytes": engine.kv_capacity_tokens * kv_bytes,
         "batch_multiple": 1 if device.type == "cpu" else 128,
         "model_config": cfg.to_hf(dtype),
-        "fit": {"shapes": len(samples), "mean_abs_rel_error": fit_error,
+        "fit": {"shapes": len(shapes), "mean_abs_rel_error": fit_error,
                 "calibration_steps": len(steps), "calibration_mean_abs_rel_error": run_error,
-                "host_seconds_per_step": gap},
+                "calibration_total_error": run_total},
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": time.perf_counter() - started,
     }

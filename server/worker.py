@@ -268,6 +268,7 @@ class _WorkerClaims:
         w = self.worker
         if not w.settings.redis_url or total_lines < w.settings.shard_min_lines:
             return 1
+        w._register()  # loading the model may have outlasted our presence key
         try:
             return max(w.queue.live_workers(), 1)
         except Exception as e:  # noqa: BLE001 - Redis down: run it whole

@@ -279,6 +279,7 @@ def test_scraping_during_a_run_shows_tokens_per_second_and_kv_use_moving(tmp_pat
         BLENDSERVE_KV_MEMORY_BYTES=str(16 << 20),  # a few requests at a time: KV use moves
         BLENDSERVE_METRICS_SNAPSHOT_SECONDS="0.3",
         BLENDSERVE_WORKER_POLL_SECONDS="0.1",
+        BLENDSERVE_MAX_BATCH_TOKENS="64",  # small steps: the run lasts long enough to watch
     )
     seen: dict[str, list[float]] = {"output_tps": [], "kv_used": [], "steps": [], "kv_ratio": []}
     try:
@@ -287,7 +288,7 @@ def test_scraping_during_a_run_shows_tokens_per_second_and_kv_use_moving(tmp_pat
             fid = c.post(
                 "/v1/files",
                 data={"purpose": "batch"},
-                files={"file": ("m.jsonl", live_process.fixed_length_requests(12, "m", 16))},
+                files={"file": ("m.jsonl", live_process.fixed_length_requests(24, "m", 48))},
             ).json()["id"]
             batch = c.post(
                 "/v1/batches",
@@ -329,9 +330,9 @@ def test_scraping_during_a_run_shows_tokens_per_second_and_kv_use_moving(tmp_pat
     assert (
         value(text, "blendserve_project_tokens", project="default", kind="output")
         == usage["output_tokens"]
-        == 12 * 16
+        == 24 * 48
     )
-    assert value(text, "blendserve_project_requests", project="default", result="completed") == 12
+    assert value(text, "blendserve_project_requests", project="default", result="completed") == 24
 
 
 def test_the_grafana_dashboard_only_uses_metrics_that_exist(

@@ -106,6 +106,10 @@ def test_200_lines_with_three_schemas_validate_repeat_and_bad_formats_fail_alone
     try:
         upload = client.files.create(file=("extract.jsonl", data), purpose="batch")
         first = run_batch(client, upload.id)
+        # The same engine state for the second run: in bf16, a prompt read from the prefix cache
+        # differs in low-order bits from one computed in another batch's step, which can flip
+        # a near-tie (the engine is idle here: the worker only polls between batches).
+        engine.cache.evict(engine.cache.total_pages)
         second = run_batch(client, upload.id)
     finally:
         worker.stopping.set()
