@@ -40,7 +40,7 @@ class PagedIndex:
 def paged_index(kv_lens: Sequence[int], page_tables: Sequence[Sequence[int]],
                 page_size: int) -> PagedIndex:
     """Only the pages that hold context are listed: a table may carry a page reserved ahead."""
-    indptr, indices, last = [0], [], []
+    indptr, indices, last = [0], [], []  # type: list[int], list[int], list[int]
     for kv, table in zip(kv_lens, page_tables):
         n = -(-kv // page_size)  # pages holding kv tokens
         assert kv >= 1 and len(table) >= n, "a sequence's pages must cover its context"
@@ -148,7 +148,7 @@ class FlashInferAttention(AttentionBackend):
         pool, s = self.pool, self.slots[slot]
         hp = host_plan(batch, pool.page_size)
         dev, dtype = pool.data.device, pool.data.dtype
-        heads = dict(num_qo_heads=self.num_heads, num_kv_heads=pool.kv_heads)
+        heads = {"num_qo_heads": self.num_heads, "num_kv_heads": pool.kv_heads}
         decode = prefill = None
         if hp.decode is not None:
             d = hp.decode

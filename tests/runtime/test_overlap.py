@@ -55,7 +55,7 @@ def test_decodes_balance_a_prefill_chunk_by_tokens_and_kv_reads() -> None:
     q = [1] * 64 + [96]
     kv = [400] * 64 + [96]
     tables = [[1000 + 100 * i + p for p in range(100)] for i in range(64)] + [list(range(24))]
-    split = split_batch(batch(q, kv, tables), 4, kv_token_cost=0.1)
+    split = split_batch(batch(q, kv, tables), 4, kv_token_cost=0.1, min_tokens=1)
     assert split is not None
     a, b = split.parts
     assert 64 in a and all(i < 64 for i in b)  # the chunk sits with some of the decodes
@@ -77,9 +77,10 @@ def test_a_prompt_reading_pages_another_writes_this_step_stays_in_its_half() -> 
 class PhaseModel:
     """Two layers of no-op phases: only the order of launches matters here."""
 
-    layers = [None, None]
-    embed = torch.zeros(4, 2)
-    device = torch.device("cpu")
+    def __init__(self) -> None:
+        self.layers = [None, None]
+        self.embed = torch.zeros(4, 2)
+        self.device = torch.device("cpu")
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return pos, pos
