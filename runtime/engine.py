@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from runtime.attention import AttentionBatch, make_backend
+from runtime.attention import AttentionBatch, make_backend, resolve_backend
 from runtime.config import LoadedModel, ModelConfig
 from runtime.errors import EngineFatalError
 from runtime.grammar import Grammars
@@ -67,7 +67,9 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page
     device: str = "cpu"
     dtype: str | torch.dtype | None = None  # None = bfloat16 on CPUs with AVX512-BF16/AMX, else fp32
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto = flashinfer on CUDA when installed, else torch
+    # CUDA + flashinfer: each step as two nano-batches on two streams (runtime/overlap.py)
+    overlap: bool = True
     seed: int = 0  # seeds unseeded sampling and dummy weights
 
     def __post_init__(self) -> None:
@@ -156,8 +158,13 @@ class Engine:
                                 page_size=cfg.page_size, kv_heads=mc.num_kv_heads,
                                 head_dim=mc.head_dim, dtype=self.dtype, device=cfg.device)
         self.cache = RadixCache(cfg.page_size, self.pool.free)
-        self.attn = make_backend(cfg.attention_backend, self.pool, num_heads=mc.num_heads,
-                                 scale=mc.head_dim**-0.5)
+        self.attn = make_backend(resolve_backend(cfg.attention_backend, cfg.device), self.pool,
+                                 num_heads=mc.num_heads, scale=mc.head_dim**-0.5)
+        self._overlap = None
+        if cfg.overlap and self.attn.name == "flashinfer":
+            from runtime.overlap import StepOverlap
+
+            self._overlap = StepOverlap(self.model.device)
         self.sampler = Sampler()
         # The planner's view of this model on this device: a measured profile's (set by the
         # caller, see runtime/profile.py) or, unmeasured, the model's shape on a device that
@@ -537,15 +544,36 @@ class Engine:
             if s.computed + n == len(s.tokens):
                 rows.append(len(ids) - 1)
         num_decode = sum(1 for _, n in batch if n == 1)
-        plan = self.attn.plan(AttentionBatch(
+        ab = AttentionBatch(
             q_lens=[n for _, n in batch], kv_lens=[s.computed + n for s, n in batch],
-            page_tables=[s.pages for s, _ in batch], num_decode=num_decode))
+            page_tables=[s.pages for s, _ in batch], num_decode=num_decode)
+        if self._overlap is not None:  # two nano-batches on two streams, when worth it
+            logits = self._run_overlapped(ab, ids, pos, rows)
+            if logits is not None:
+                return logits, None
+        plan = self.attn.plan(ab)
         dev = self.model.device
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=dev)
 
-        logits = self.model.forward(t(ids), t(pos), self.attn, plan, t(rows)).cpu()
+        # logits stay on the device: _apply brings back token ids only, where it can
+        logits = self.model.forward(t(ids), t(pos), self.attn, plan, t(rows))
         return logits, getattr(plan, "kv_read", None)
+
+    def _run_overlapped(self, ab: AttentionBatch, ids: list[int], pos: list[int],
+                        rows: list[int]) -> torch.Tensor | None:
+        from runtime.overlap import forward_split, split_batch
+
+        assert self._overlap is not None
+        cm = self.cost_model  # one KV token read, in units of one token's GEMMs
+        cost = cm.seconds_per_kv_token / cm.seconds_per_token if cm.seconds_per_token > 0 else 0.01
+        split = split_batch(ab, self.pool.page_size, kv_token_cost=cost)
+        if split is None:
+            return None
+        attn = self.attn
+        return forward_split(self.model, ab, split, ids, pos, rows,
+                             lambda b, k: attn.plan(b, slot=k),
+                             attn, self._overlap.lanes, self._overlap.main)
 
     def _apply(self, pol: AdmissionPolicy, batch: list[tuple[_Seq, int]], logits: torch.Tensor,
                waiting: deque[_Seq], running: list[_Seq]) -> list[RequestOutput]:
@@ -571,6 +599,8 @@ class Engine:
         # constrained choices: mask what their grammar forbids (logprobs are of what is left)
         self._grammar_s, t0 = 0.0, time.perf_counter()
         rows = [i for i, s in enumerate(sample) if s.grammar is not None]
+        if logits.device.type != "cpu" and (rows or any(_host_sampling(s.sampling) for s in sample)):
+            logits = logits.cpu()  # grammars, random draws, penalties, logprobs: on the host
         if rows:
             self.grammars.constrain(logits, rows, [sample[i].grammar for i in rows])
             self._grammar_s += time.perf_counter() - t0
@@ -624,6 +654,12 @@ def unmeasured_cost_model(config: ModelConfig, dtype: torch.dtype) -> CostModel:
                                       name="served")
     return CostModel(shape, HardwareProfile("unmeasured", flops=1e11, bandwidth=2e10,
                                             batch_multiple=1, overlap=0.0))
+
+
+def _host_sampling(st: SamplingState) -> bool:
+    """Greedy rows without logprobs or penalties are sampled on the device (one argmax)."""
+    p = st.params
+    return st.generator is not None or bool(p.logprobs or p.presence_penalty or p.frequency_penalty)
 
 
 def _by_level(arrivals: list[tuple[EngineRequest, int]]) -> dict[int, list[EngineRequest]]:

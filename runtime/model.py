@@ -69,7 +69,8 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        w = dict(weights) if weights is not None else self._random_weights(config, seed)
+        w = (dict(weights) if weights is not None
+             else self._random_weights(config, seed, self.device, dtype))
 
         def get(name: str) -> torch.Tensor:
             return w[name].to(device=self.device, dtype=dtype).contiguous()
@@ -106,21 +107,26 @@ class LlamaModel:
         self.kv_size = c.num_kv_heads * c.head_dim
 
     @staticmethod
-    def _random_weights(c: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-        """Random weights of the right shapes (`dummy:<shape>` models, benchmarks)."""
-        gen = torch.Generator().manual_seed(seed)
+    def _random_weights(c: ModelConfig, seed: int, device: torch.device,
+                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Random weights of the right shapes (`dummy:<shape>` models, benchmarks). On a GPU they
+        are drawn there in the model dtype: an 8B model's fp32 draw on the host takes minutes."""
+        on_host = device.type == "cpu"
+        gen = torch.Generator(device=device).manual_seed(seed)
+        kw: dict[str, object] = {} if on_host else {"device": device, "dtype": dtype}
 
         def rnd(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen) * 0.02
+            return torch.randn(*shape, generator=gen, **kw) * 0.02  # type: ignore[call-overload]
 
         h, hd = c.hidden_size, c.head_dim
-        w = {"model.embed_tokens.weight": rnd(c.vocab_size, h), "model.norm.weight": torch.ones(h)}
+        w = {"model.embed_tokens.weight": rnd(c.vocab_size, h),
+             "model.norm.weight": torch.ones(h, **kw)}  # type: ignore[call-overload]
         if not c.tie_word_embeddings:
             w["lm_head.weight"] = rnd(c.vocab_size, h)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            w[p + "input_layernorm.weight"] = torch.ones(h)
-            w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+            w[p + "input_layernorm.weight"] = torch.ones(h, **kw)  # type: ignore[call-overload]
+            w[p + "post_attention_layernorm.weight"] = torch.ones(h, **kw)  # type: ignore[call-overload]
             for n, rows in (("q", c.num_heads * hd), ("k", c.num_kv_heads * hd), ("v", c.num_kv_heads * hd)):
                 w[p + f"self_attn.{n}_proj.weight"] = rnd(rows, h)
                 if c.attention_bias:
@@ -145,21 +151,36 @@ class LlamaModel:
         logits_idx: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids, positions: [T]; logits_idx: [R] rows to project -> logits [R, V] float32."""
-        c = self.config
-        t = input_ids.shape[0]
         cos, sin = self.rope(positions)  # [T, 1, hd/2]
         x = self.embed[input_ids]  # [T, hidden]
-        for i, lw in enumerate(self.layers):
-            h = _rms_norm(x, lw["ln1"], c.rms_norm_eps)  # type: ignore[arg-type]
-            qkv = F.linear(h, lw["qkv"], lw["qkv_b"])  # type: ignore[arg-type]  # [T, (H+2KVH)*hd]
-            qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, c.head_dim), cos, sin)
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, H, hd], [T, KVH, hd]
-            v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
-            o = attn.forward(i, q, k, v, plan)  # [T, H*hd]
-            x = x + F.linear(o, lw["o"])  # type: ignore[arg-type]
-            h = _rms_norm(x, lw["ln2"], c.rms_norm_eps)  # type: ignore[arg-type]
-            gu = F.linear(h, lw["gate_up"])  # type: ignore[arg-type]  # [T, 2*inter]
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw["down"])  # type: ignore[arg-type]
-        x = _rms_norm(x.index_select(0, logits_idx), self.norm, c.rms_norm_eps)  # [R, hidden]
+        for i in range(len(self.layers)):
+            q, k, v = self.layer_pre(i, x, cos, sin)
+            x = self.layer_post(i, x, attn.forward(i, q, k, v, plan))
+        return self.logits(x, logits_idx)
+
+    # The forward in phases: compute-bound GEMMs (pre, post) around the memory-bound attention,
+    # so that runtime/overlap.py can run two nano-batches' phases on two streams.
+    def layer_pre(self, i: int, x: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> q [T, H, hd], k and v [T, KVH, hd] (RoPE applied to q and k)."""
+        c, lw, t = self.config, self.layers[i], x.shape[0]
+        h = _rms_norm(x, lw["ln1"], c.rms_norm_eps)  # type: ignore[arg-type]
+        qkv = F.linear(h, lw["qkv"], lw["qkv_b"])  # type: ignore[arg-type]  # [T, (H+2KVH)*hd]
+        qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, c.head_dim), cos, sin)
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, H, hd], [T, KVH, hd]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
+        return q, k, v
+
+    def layer_post(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] residual, o: [T, H*hd] attention output -> the layer's output."""
+        c, lw = self.config, self.layers[i]
+        x = x + F.linear(o, lw["o"])  # type: ignore[arg-type]
+        h = _rms_norm(x, lw["ln2"], c.rms_norm_eps)  # type: ignore[arg-type]
+        gu = F.linear(h, lw["gate_up"])  # type: ignore[arg-type]  # [T, 2*inter]
+        gate, up = gu.chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, lw["down"])  # type: ignore[arg-type]
+
+    def logits(self, x: torch.Tensor, logits_idx: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> logits [R, V] float32 of the rows in logits_idx [R]."""
+        x = _rms_norm(x.index_select(0, logits_idx), self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()  # [R, V]

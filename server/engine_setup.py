@@ -58,6 +58,8 @@ def build_engine(settings: Settings, setup: EngineSetup | None = None, *,
         kv_memory_bytes=s.kv_memory_bytes if s.kv_memory_bytes is not None
         else settings.kv_memory_bytes,
         device=device,
+        attention_backend=settings.attention_backend,
+        overlap=settings.overlap,
     ))
     log.info("loaded %s on %s in %.1fs", engine.model_name, device, time.monotonic() - started)
     if with_profile:

@@ -1,4 +1,4 @@
-"""The attention backend interface and registry: `torch` here, `flashinfer` (CUDA) plugs in later.
+"""The attention backend interface and registry (`torch` everywhere, `flashinfer` on CUDA).
 
 A backend is planned once per engine step from an `AttentionBatch` (plain lists describing the
 flat token batch) and then called once per layer; everything per-sequence happens in `plan`.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Any
 
 import torch
@@ -42,8 +43,10 @@ class AttentionBackend(ABC):
         self.scale = scale
 
     @abstractmethod
-    def plan(self, batch: AttentionBatch) -> Any:
-        """Build the index tensors of one step (called once per step, not per layer)."""
+    def plan(self, batch: AttentionBatch, slot: int = 0) -> Any:
+        """Build the index tensors of one step (called once per step, not per layer). Plans that
+        are alive at once (the two halves of an overlapped step) are made on different slots;
+        a backend whose plans own all their buffers ignores `slot`."""
 
     @abstractmethod
     def forward(
@@ -72,3 +75,12 @@ def make_backend(name: str, pool: PagedKVPool, *, num_heads: int, scale: float) 
 
 def available_backends() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """`auto`: flashinfer on a CUDA device when the package is installed, else torch."""
+    if name != "auto":
+        return name
+    if device.startswith("cuda") and find_spec("flashinfer") is not None:
+        return "flashinfer"
+    return "torch"

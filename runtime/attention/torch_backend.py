@@ -149,7 +149,7 @@ class TorchAttention(AttentionBackend):
 
         return _Shared(dense, members, lt(q_idx), lt(seqs), lt(rows))
 
-    def plan(self, batch: AttentionBatch) -> TorchPlan:
+    def plan(self, batch: AttentionBatch, slot: int = 0) -> TorchPlan:
         g = self.num_heads // self.pool.kv_heads
         nd, ps = batch.num_decode, self.pool.page_size
         shared_plan = prefill = None
