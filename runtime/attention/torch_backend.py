@@ -1,7 +1,8 @@
 """The `torch` backend: one gather over the page table + the CPU/CUDA flash SDPA kernel.
 
-Decodes (one query each) and prefill chunks are two padded groups so a 512-token chunk does not
-pad every decode row to 512 queries. Grouped-query attention folds the query heads that share a
+Decodes (one query each) and prefill chunks are padded apart so a 512-token chunk does not pad
+every decode row to 512 queries; prefill chunks are padded in buckets of similar size, so a
+1,500-token prompt in the same step as a 40-token one does not make it a 1,500 × 1,500 one. Grouped-query attention folds the query heads that share a
 KV head into the query-length axis, so K/V are never repeated per head.
 
 Decode attention is memory-bound: each step reads every running sequence's whole context. When
@@ -23,6 +24,28 @@ import torch.nn.functional as F
 from runtime.attention.base import AttentionBackend, AttentionBatch, register_backend
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+PAD_WASTE = 1.5  # a prefill bucket computes at most this many times its chunks' own q·k
+
+
+def prefill_buckets(q_lens: Sequence[int], kv_lens: Sequence[int]) -> list[list[int]]:
+    """Chunks grouped so that padding each group to its longest chunk and longest context costs
+    at most PAD_WASTE × the group's own q·k (greedy, largest first); indices into the lists."""
+    order = sorted(range(len(q_lens)), key=lambda i: q_lens[i] * kv_lens[i], reverse=True)
+    buckets: list[list[int]] = []
+    own = max_q = max_k = 0
+    for i in order:
+        q, k = q_lens[i], kv_lens[i]
+        if buckets:
+            n = len(buckets[-1]) + 1
+            if n * max(max_q, q) * max(max_k, k) <= PAD_WASTE * (own + q * k):
+                buckets[-1].append(i)
+                own, max_q, max_k = own + q * k, max(max_q, q), max(max_k, k)
+                continue
+        buckets.append([i])
+        own, max_q, max_k = q * k, q, k
+    return [sorted(b) for b in buckets]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +79,8 @@ class TorchPlan:
     # contexts are not padded to the longest; index = decodes in the bucket (None: all, in order)
     decode: tuple[tuple[torch.Tensor | None, _Dense], ...]
     shared: _Shared | None
-    prefill: _Dense | None
+    # prefill chunks in buckets of similar size; index = token rows of q[num_decode:] (None: all)
+    prefill: tuple[tuple[torch.Tensor | None, _Dense], ...]
     kv_read: int  # KV tokens the decodes read: own pages, plus each shared group's pages once
 
 
@@ -152,7 +176,7 @@ class TorchAttention(AttentionBackend):
     def plan(self, batch: AttentionBatch, slot: int = 0) -> TorchPlan:
         g = self.num_heads // self.pool.kv_heads
         nd, ps = batch.num_decode, self.pool.page_size
-        shared_plan = prefill = None
+        shared_plan = None
         decode: list[tuple[torch.Tensor | None, _Dense]] = []
         if nd:
             tables, kv = batch.page_tables[:nd], batch.kv_lens[:nd]
@@ -169,14 +193,25 @@ class TorchAttention(AttentionBackend):
                 d = self._dense([1] * len(idx), [own_lens[i] for i in idx],
                                 [own_tables[i] for i in idx], 1)
                 decode.append((torch.tensor(idx, device=self.pool.data.device) if nb > 1 else None, d))
+        prefill: list[tuple[torch.Tensor | None, _Dense]] = []
         if nd < len(batch.q_lens):
-            prefill = self._dense(batch.q_lens[nd:], batch.kv_lens[nd:], batch.page_tables[nd:], g)
+            pq, pk, pt = batch.q_lens[nd:], batch.kv_lens[nd:], batch.page_tables[nd:]
+            buckets = prefill_buckets(pq, pk)
+            starts = [0]
+            for q in pq:
+                starts.append(starts[-1] + q)
+            for members in buckets:
+                rows = None if len(buckets) == 1 else torch.cat(
+                    [torch.arange(starts[i], starts[i] + pq[i]) for i in members]
+                ).to(self.pool.data.device)
+                prefill.append((rows, self._dense([pq[i] for i in members], [pk[i] for i in members],
+                                                  [pt[i] for i in members], g)))
         slots = _slots(batch, ps).to(self.pool.data.device)
         kv_read = sum(batch.kv_lens[:nd])
         if shared_plan is not None:
             groups = {(batch.page_tables[i][0], n) for i, n in enumerate(shared) if n}
             kv_read -= sum(n for n in shared) * ps - sum(n for _, n in groups) * ps
-        return TorchPlan(slots, nd, tuple(decode), shared_plan, prefill, kv_read)
+        return TorchPlan(slots, nd, tuple(decode), shared_plan, tuple(prefill), kv_read)
 
     def _attend(self, q: torch.Tensor, d: _Dense, k_flat: torch.Tensor,
                 v_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -228,24 +263,37 @@ class TorchAttention(AttentionBackend):
             if plan.shared is not None and lse is not None:
                 o = self._merge_shared(qd, o, lse, plan.shared, k_flat, v_flat)
             outs.append(o.reshape(nd, -1))
-        if plan.prefill is not None:
-            # 3. prefill chunks: padded to the longest chunk, lower-right causal mask
-            d = plan.prefill
-            s, mq = d.num_seqs, d.max_q
+        if plan.prefill:
+            # 3. prefill chunks: by bucket, padded to the bucket's longest, lower-right causal mask
             qp = q[nd:]  # [Tp, H, hd]
-            if d.pad_idx is not None:
-                padded = qp.new_zeros((s * mq, self.num_heads, hd))
-                padded.index_copy_(0, d.pad_idx, qp)
-                qp = padded  # [S*Q, H, hd]
-            # [S, Q, kvh, g, hd] -> [S, kvh, Q*g, hd]
-            qp = qp.view(s, mq, kvh, g, hd).permute(0, 2, 1, 3, 4).reshape(s, kvh, mq * g, hd)
-            o, _ = self._attend(qp, d, k_flat, v_flat)
-            # [S, kvh, Q*g, hd] -> [S*Q, H*hd]
-            o = o.view(s, kvh, mq, g, hd).permute(0, 2, 1, 3, 4).reshape(s * mq, -1)
-            if d.pad_idx is not None:
-                o = o.index_select(0, d.pad_idx)
-            outs.append(o)
+            rows, d = plan.prefill[0]
+            if rows is None:
+                outs.append(self._attend_prefill(qp, d, k_flat, v_flat))
+            else:
+                o = qp.new_empty((qp.shape[0], self.num_heads * hd))
+                for rows, d in plan.prefill:
+                    assert rows is not None
+                    o.index_copy_(0, rows, self._attend_prefill(qp.index_select(0, rows), d,
+                                                                k_flat, v_flat))
+                outs.append(o)
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [T, H*hd]
+
+    def _attend_prefill(self, qp: torch.Tensor, d: _Dense, k_flat: torch.Tensor,
+                        v_flat: torch.Tensor) -> torch.Tensor:
+        """qp: [tokens, H, hd] of d's chunks, in order -> [tokens, H*hd]."""
+        kvh, hd = self.pool.kv_heads, self.pool.head_dim
+        g = self.num_heads // kvh
+        s, mq = d.num_seqs, d.max_q
+        if d.pad_idx is not None:
+            padded = qp.new_zeros((s * mq, self.num_heads, hd))
+            padded.index_copy_(0, d.pad_idx, qp)
+            qp = padded  # [S*Q, H, hd]
+        # [S, Q, kvh, g, hd] -> [S, kvh, Q*g, hd]
+        qp = qp.view(s, mq, kvh, g, hd).permute(0, 2, 1, 3, 4).reshape(s, kvh, mq * g, hd)
+        o, _ = self._attend(qp, d, k_flat, v_flat)
+        # [S, kvh, Q*g, hd] -> [S*Q, H*hd]
+        o = o.view(s, kvh, mq, g, hd).permute(0, 2, 1, 3, 4).reshape(s * mq, -1)
+        return o if d.pad_idx is None else o.index_select(0, d.pad_idx)
 
     def _merge_shared(self, qd: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, sh: _Shared,
                       k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:

@@ -340,3 +340,38 @@ def test_worker_killed_at_ten_points_in_a_loop(tmp_path: Path, procs: list[Proc]
         db.dispose()
     print(f"kill -9 points (point, amount, journaled at the kill): {kills}")
     assert len(kills) == 10 and watch.counts == sorted(watch.counts)
+
+
+# -- a shared run (several batches on one engine) ------------------------------------------------
+
+
+def test_worker_killed_during_a_shared_run_every_batch_completes_once(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    data = model_data_dir(tmp_path)
+    slow = {**FAST, "BLENDSERVE_MAX_BATCH_TOKENS": "48"}
+    api = Server(data, free_port(), tmp_path / "api.log", "--no-worker", **slow)
+    procs.append(api)
+    db = sa.create_engine(f"sqlite:///{data / 'blendserve.db'}")
+    n = 12
+    try:
+        with httpx.Client(base_url=api.url, timeout=30) as c:
+            api.wait_healthy(c)
+            watches = [Watch(c, _create(c, n, max_tokens=4), [api]) for _ in range(3)]
+            env = {"BLENDSERVE_DATA_DIR": str(data), **slow}
+            worker = Proc(["worker"], env, tmp_path / "worker-0.log")
+            deadline = time.monotonic() + HANG_GUARD_S
+            # kill -9 once two batches have results and the run is not over
+            while sum(_journaled(db, w.batch_id) > 0 for w in watches) < 2:
+                assert worker.alive() and time.monotonic() < deadline, worker.tail()
+                time.sleep(0.02)
+            worker.kill9()
+            done_at_kill = [_journaled(db, w.batch_id) for w in watches]
+            assert sum(done_at_kill) < 3 * n, "the run ended before the kill"
+            procs.append(Proc(["worker"], env, tmp_path / "worker-1.log"))
+            for w in watches:
+                _exactly_once(c, w.until(lambda b: False, "after the kill"), n)
+                assert w.counts == sorted(w.counts)
+    finally:
+        db.dispose()
+    print(f"journaled per batch at the kill: {done_at_kill}")
