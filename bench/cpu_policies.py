@@ -94,7 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of every run, interleaved; the table shows each one's fastest")
+    ap.add_argument("--predict-from", type=Path, default=None,
+                    help="a --json-out of an earlier run: predict its runs again with the "
+                         "profile now cached (after `blendserve profile`), without re-running")
     args = ap.parse_args(argv)
+    if args.predict_from:
+        for name, runs in json.loads(args.predict_from.read_text()).items():
+            for r in runs:
+                r["predicted_seconds"] = simulate(args.out / f"{name}.trace.jsonl", r, r["policy"])
+            print_table(name, runs)
+        return 0
     paths = cpu_workloads.write(args.out)
     caps = [int(c) for c in args.caps.split(",") if c]
     results: dict[str, list[dict[str, Any]]] = {}

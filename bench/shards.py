@@ -2,7 +2,8 @@
 which is killed with kill -9 halfway; every custom_id must come back exactly once.
 
 Each phase starts its own scratch Redis, an API process (`serve --no-worker`) and the workers
-(`blendserve worker`, default flags) on a fresh data dir, waits until the workers have
+(`blendserve worker`, default flags, the machine's cores split between them: OMP_NUM_THREADS)
+on a fresh data dir, waits until the workers have
 registered, uploads the batch through the HTTP API and polls until it is `completed`. With two
 live workers the batch is cut into two shards (server/shards.py); the killed worker's shard is
 taken over once its claim is `BLENDSERVE_WORKER_STALL_SECONDS` (10 s here) stale.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +46,20 @@ def batch_lines(n: int, max_tokens: int) -> bytes:
                    for i in range(n)).encode()
 
 
+def threads_per(workers: int) -> int:
+    """Workers on one machine share its cores: more torch threads than cores make each one
+    wait on the others' OpenMP barriers (several times slower on a 2-core machine)."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def ensure_profile(threads: int) -> None:
+    """Measure the device profile for this thread count now, outside the timed phases (it is
+    cached under data/profiles/, which every phase's data dir links to)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    subprocess.run([str(Path(sys.executable).with_name("blendserve")), "profile"], check=True,
+                   cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+
+
 def run_phase(workers: int, kill_at: float | None, lines: int, max_tokens: int,
               tmp: Path, **extra_env: str) -> dict[str, Any]:
     """Returns wall seconds (create → completed), the exactly-once check and the shard cut."""
@@ -52,7 +69,8 @@ def run_phase(workers: int, kill_at: float | None, lines: int, max_tokens: int,
     scratch = ScratchRedis()
     scratch.start()
     env = {"BLENDSERVE_REDIS_URL": scratch.url, "BLENDSERVE_WORKER_STALL_SECONDS": STALL_S,
-           "BLENDSERVE_DATA_DIR": str(data), **extra_env}
+           "BLENDSERVE_DATA_DIR": str(data), "OMP_NUM_THREADS": str(threads_per(workers)),
+           **extra_env}
     api = Server(data, free_port(), tmp / "api.log", "--no-worker", **env)
     procs: list[Proc] = [api]
     try:
@@ -117,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
     results = []
+    for threads in sorted({threads_per(PHASES[name][0]) for name in args.phases.split(",")}):
+        ensure_profile(threads)
     for name in args.phases.split(","):
         workers, kill_at = PHASES[name]
         with tempfile.TemporaryDirectory() as tmp:

@@ -31,7 +31,7 @@ from vllm import LLM, SamplingParams
 
 
 def main():
-    folder, workload, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
+    folder, workload, dtype, result = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     lines = [json.loads(x) for x in open(workload) if x.strip()]
     # vLLM CPU reserves this share of RAM (92% by default) for weights and its KV cache.
     llm = LLM(model=folder, dtype=dtype, seed=0, gpu_memory_utilization=0.3)
@@ -42,7 +42,8 @@ def main():
     outs = llm.chat(msgs, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"seconds": seconds, "output_tokens": tokens}))
+    with open(result, "w") as f:
+        json.dump({"seconds": seconds, "output_tokens": tokens}, f)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core in a spawned process
@@ -62,9 +63,12 @@ def run_blendserve(workload: Path, out_dir: Path) -> dict:
 def run_vllm(python: str, workload: Path, folder: Path, dtype: str, out_dir: Path) -> dict:
     script = out_dir / "vllm_generate.py"
     script.write_text(VLLM_SCRIPT)
-    proc = subprocess.run([python, str(script), str(folder), str(workload), dtype],
-                          check=True, cwd=ROOT, capture_output=True, text=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result, log = out_dir / "vllm_result.json", out_dir / "vllm.log"
+    result.unlink(missing_ok=True)
+    with log.open("w") as f:
+        subprocess.run([python, str(script), str(folder), str(workload), dtype, str(result)],
+                       check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    return json.loads(result.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
