@@ -86,6 +86,10 @@ class Worker:
     def run(self, *, until_idle: bool = False) -> int:
         """The loop; `until_idle` returns once no batch needs work (tests, one-shot runs)."""
         log.info("worker %s started (queue: %s)", self.worker_id, type(self.queue).__name__)
+        # Load the engine (and measure the device profile, the first time) before holding any
+        # claim: nothing heartbeats a claim while the model loads, so a long load would let
+        # another worker take the batch over. A worker that cannot load exits here, loudly.
+        self.policy()
         self.monitor.start()
         if self.webhooks is not None:
             self.webhooks.start()

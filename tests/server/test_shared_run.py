@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -191,3 +192,56 @@ def test_a_high_priority_project_goes_before_large_batches_queued_earlier(
             "SELECT custom_id FROM batch_results ORDER BY rowid")).scalars().all()
     assert max(order.index(f"vip-{i}") for i in range(2)) < len(order) // 2
     db.dispose()
+
+
+@pytest.mark.slow
+def test_through_the_api_a_one_minute_window_expires_and_a_cancel_lands_on_time(
+    tmp_path: Path,
+) -> None:
+    """`completion_window: "1m"` on a batch far too big for it, and a cancel of another batch
+    mid-run, on `blendserve serve` with its defaults: both end within 15 s, nothing lost."""
+    import httpx
+
+    from tests.server import live_process
+
+    server = live_process.Server(live_process.model_data_dir(tmp_path),
+                                 live_process.free_port(), tmp_path / "serve.log")
+    big = "".join(json.dumps(x) + "\n" for x in _lines("big", 300, max_tokens=2000,
+                                                         ignore_eos=True)).encode()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            server.wait_healthy(c)
+
+            def create(window: str) -> dict[str, Any]:
+                fid = c.post("/v1/files", data={"purpose": "batch"},
+                             files={"file": ("big.jsonl", big)}).json()["id"]
+                r = c.post("/v1/batches", json={"input_file_id": fid, "completion_window": window,
+                                                "endpoint": "/v1/chat/completions"})
+                assert r.status_code == 200, r.text
+                return dict(r.json())
+
+            expiring, cancelled = create("1m"), create("24h")
+            deadline = time.monotonic() + 300  # hang guard
+            cancel_sent = None
+            while True:
+                assert time.monotonic() < deadline and server.alive(), server.tail()
+                e = c.get(f"/v1/batches/{expiring['id']}").json()
+                k = c.get(f"/v1/batches/{cancelled['id']}").json()
+                if cancel_sent is None and k["status"] == "in_progress":
+                    assert c.post(f"/v1/batches/{cancelled['id']}/cancel").status_code == 200
+                    cancel_sent = time.time()
+                if e["status"] == "expired" and k["status"] == "cancelled":
+                    break
+                time.sleep(0.5)
+            for b, code in ((e, "batch_expired"), (k, "batch_cancelled")):
+                rows = {key: [json.loads(x) for x in c.get(f"/v1/files/{b[key]}/content")
+                              .text.splitlines()] if b[key] else []
+                        for key in ("output_file_id", "error_file_id")}
+                ids = [r["custom_id"] for r in rows["output_file_id"] + rows["error_file_id"]]
+                assert sorted(ids) == sorted(f"big-{i}" for i in range(300))  # each once
+                assert b["request_counts"]["completed"] == len(rows["output_file_id"])
+                assert {r["error"]["code"] for r in rows["error_file_id"]} == {code}
+    finally:
+        server.stop()
+    assert e["expired_at"] - e["expires_at"] <= 15
+    assert cancel_sent is not None and k["cancelled_at"] - cancel_sent <= 15
