@@ -244,25 +244,16 @@ class Engine:
         """Yield each request's output as it finishes (errors included, as outputs)."""
         known: dict[str, EngineRequest] = {}
         done: deque[RequestOutput] = deque()
-
-        def plan_requests() -> Iterator[PlanRequest]:
-            for req in requests:
-                err = self.check(req)
-                if err is not None:
-                    done.append(RequestOutput(req.id, len(req.prompt_token_ids), 0, error=err))
-                    continue
-                known[req.id] = req
-                yield self.plan_request(req)
-
+        plan_requests = self._accept(requests, known, done)
         self.step_log = []
         if isinstance(policy, str):
             from scheduler.policies import make_policy
 
-            pol = make_policy(policy, plan_requests(), kv_capacity_tokens=self.kv_capacity_tokens,
+            pol = make_policy(policy, plan_requests, kv_capacity_tokens=self.kv_capacity_tokens,
                               cost_model=self.cost_model, step_tokens=self.config.max_batch_tokens)
         else:
             pol = policy
-            for _ in plan_requests():  # the caller built the policy: index the requests now
+            for _ in plan_requests:  # the caller built the policy: index the requests now
                 pass
         self.last_policy = pol
         waiting: deque[_Seq] = deque()  # admitted, holding no pages
@@ -306,22 +297,11 @@ class Engine:
                         draining = True
                         mix.withdraw()
                         known.clear()
-                        started = [s for s in waiting if s.generated > 0 or s.index > 0]
-                        waiting.clear()
-                        waiting.extend(started)
+                        waiting = _started(waiting)
                     if update.aborts:
                         self._abort(update.aborts, mix, known, waiting, running)
                     for level, reqs in _by_level([] if draining else update.arrivals).items():
-                        plans = []
-                        for req in reqs:
-                            err = self.check(req)
-                            if err is not None:
-                                done.append(RequestOutput(req.id, len(req.prompt_token_ids), 0,
-                                                          error=err))
-                                continue
-                            known[req.id] = req
-                            plans.append(self.plan_request(req))
-                        mix.add(plans, level)
+                        mix.add(list(self._accept(reqs, known, done)), level)
                     self._admit(mix, known, waiting, running)
                     if not running and not waiting:
                         if not done and update.closed and not mix.has_pending():
@@ -333,6 +313,18 @@ class Engine:
         finally:
             for s in running:
                 self._release(s)
+
+    def _accept(self, requests: Iterable[EngineRequest], known: dict[str, EngineRequest],
+                done: deque[RequestOutput]) -> Iterator[PlanRequest]:
+        """Each request the engine can run, as the planner sees it (indexed in `known`); one it
+        cannot run becomes an error output in `done` at once."""
+        for req in requests:
+            err = self.check(req)
+            if err is not None:
+                done.append(RequestOutput(req.id, len(req.prompt_token_ids), 0, error=err))
+                continue
+            known[req.id] = req
+            yield self.plan_request(req)
 
     def _abort(self, ids: set[str], pol: MixPolicy, known: dict[str, EngineRequest],
                waiting: deque[_Seq], running: list[_Seq]) -> None:
@@ -357,7 +349,7 @@ class Engine:
                     yield done.popleft()
                 if not stopping and should_stop is not None and should_stop():
                     stopping = True
-                    waiting = deque(s for s in waiting if s.generated > 0 or s.index > 0)
+                    waiting = _started(waiting)
                 if not stopping:
                     self._admit(pol, known, waiting, running)
                 if not running and not waiting:
@@ -660,6 +652,12 @@ def _host_sampling(st: SamplingState) -> bool:
     """Greedy rows without logprobs or penalties are sampled on the device (one argmax)."""
     p = st.params
     return st.generator is not None or bool(p.logprobs or p.presence_penalty or p.frequency_penalty)
+
+
+def _started(waiting: deque[_Seq]) -> deque[_Seq]:
+    """The waiting sequences that have started (generated, or a fork of a started request):
+    what a stopping run still finishes."""
+    return deque(s for s in waiting if s.generated > 0 or s.index > 0)
 
 
 def _by_level(arrivals: list[tuple[EngineRequest, int]]) -> dict[int, list[EngineRequest]]:

@@ -148,22 +148,14 @@ class SqlQueue:
             prior = conn.execute(
                 sa.text(f"SELECT worker_id FROM {table} WHERE {key}"), extra
             ).scalar()
+            claimable, statuses = _CLAIMABLE[table]
             claimed = conn.execute(
                 sa.text(
-                    f"UPDATE {table} SET worker_id = :w, heartbeat_at = :now WHERE {key} AND "
-                    + (_SHARD_OPEN if table == "batch_shards" else
-                       "status IN :active AND " + _UNSHARDED) + " AND " + _UNOWNED
-                ).bindparams(*([sa.bindparam("active", expanding=True)]
-                               if table == "batches" else
-                               [sa.bindparam("running", expanding=True)])),
-                {
-                    "w": worker_id,
-                    "now": now,
-                    "active": ACTIVE,
-                    "running": SHARD_RUNNING,
-                    "cutoff": now - self.stall_seconds,
-                    **extra,
-                },
+                    f"UPDATE {table} SET worker_id = :w, heartbeat_at = :now"
+                    f" WHERE {key} AND {claimable} AND {_UNOWNED}"
+                ).bindparams(sa.bindparam("statuses", expanding=True)),
+                {"w": worker_id, "now": now, "statuses": statuses,
+                 "cutoff": now - self.stall_seconds, **extra},
             ).rowcount
         if claimed == 1 and prior and prior != worker_id:
             log.warning("worker %s took over stalled %s from %s", worker_id, batch_id, prior)
@@ -389,9 +381,15 @@ _UNOWNED = "(worker_id IS NULL OR heartbeat_at IS NULL OR heartbeat_at < :cutoff
 # A batch cut into shards is claimed shard by shard until every shard is done; then the batch
 # itself again (to finalise it, should its last shard's worker have died before doing so).
 _UNSHARDED = "NOT EXISTS (SELECT 1 FROM batch_shards s WHERE s.batch_id = batches.id AND NOT s.done)"
-_SHARD_OPEN = ("NOT done AND EXISTS (SELECT 1 FROM batches b WHERE b.id = batch_shards.batch_id"
-               " AND b.status IN :running)")
 SHARD_RUNNING = ["in_progress", "cancelling"]  # statuses in which a batch's shards are worked
+# What makes a row of each claim table claimable (besides having no live owner), and the
+# statuses bound to its `:statuses`.
+_CLAIMABLE = {
+    "batches": (f"status IN :statuses AND {_UNSHARDED}", ACTIVE),
+    "batch_shards": (("NOT done AND EXISTS (SELECT 1 FROM batches b"
+                      " WHERE b.id = batch_shards.batch_id AND b.status IN :statuses)"),
+                     SHARD_RUNNING),
+}
 
 
 def _claim_target(unit: str) -> tuple[str, str, dict[str, Any]]:

@@ -16,11 +16,16 @@ conditional status transitions make a second finaliser a no-op).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.models import BatchShardRow
+
+if TYPE_CHECKING:
+    from scheduler.cost_model import CostModel
+    from scheduler.types import PlanRequest
 
 Sessions = sessionmaker[Session]
 
@@ -72,10 +77,11 @@ def mark_done(sessions: Sessions, batch_id: str, shard: int, worker_id: str) -> 
     return not left
 
 
-def plan(requests: list, k: int, cost_model: object) -> list[list[int]]:
+def plan(requests: list[tuple[int, PlanRequest]], k: int,
+         cost_model: CostModel) -> list[list[int]]:
     """k shards of equal predicted work over (line, PlanRequest) pairs; lines in planned order."""
     from scheduler.partition import partition_requests
 
     lines = [line for line, _ in requests]
-    part = partition_requests([r for _, r in requests], k, cost_model=cost_model)  # type: ignore[arg-type]
+    part = partition_requests([r for _, r in requests], k, cost_model=cost_model)
     return [[lines[int(i)] for i in shard] for shard in part if len(shard)]

@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from server import journal, shards
 from server.jobs import (
@@ -98,14 +98,26 @@ class Held:
     endpoint: str
     stop: StopCheck
     started: float = field(default_factory=time.monotonic)
-    in_flight: dict[str, tuple[str, int]] = field(default_factory=dict)  # engine id -> (custom_id, line)
-    tokens: dict[str, int] = field(default_factory=dict)  # engine id -> prompt + max_tokens
-    sent: dict[str, EngineRequest] = field(default_factory=dict)  # for the plan report
-    finished: list[tuple[EngineRequest, RequestOutput]] = field(default_factory=list)
+    # engine request id -> (custom_id, input line, the request) of every request not yet ended
+    in_flight: dict[str, tuple[str, int, EngineRequest]] = field(default_factory=dict)
+    tokens_in_flight: int = 0  # Σ prompt + max_tokens over in_flight: what the claim budget counts
+    finished: list[tuple[EngineRequest, RequestOutput]] = field(default_factory=list)  # report
 
-    @property
-    def tokens_in_flight(self) -> int:
-        return sum(self.tokens.values())
+    def add(self, custom_id: str, line: int, request: EngineRequest) -> None:
+        self.in_flight[request.id] = (custom_id, line, request)
+        self.tokens_in_flight += len(request.prompt_token_ids) + request.params.max_tokens
+
+    def pop(self, request_id: str) -> tuple[str, int, EngineRequest]:
+        custom_id, line, request = self.in_flight.pop(request_id)
+        self.tokens_in_flight -= len(request.prompt_token_ids) + request.params.max_tokens
+        return custom_id, line, request
+
+    def drop_all(self) -> set[str]:
+        """Forget every request in flight; returns their ids (to abort in the engine)."""
+        ids = set(self.in_flight)
+        self.in_flight.clear()
+        self.tokens_in_flight = 0
+        return ids
 
 
 class SharedRun:
@@ -171,9 +183,9 @@ class SharedRun:
             log.exception("batch %s failed on a server error", batch_id)
             held = self.held.pop(batch_id, None)
             if held is not None:
-                self._aborts |= held.in_flight.keys()
-                self._arrivals = [(r, lvl) for r, lvl in self._arrivals
-                                  if r.id not in held.in_flight]
+                dropped = held.drop_all()
+                self._aborts |= dropped
+                self._arrivals = [(r, lvl) for r, lvl in self._arrivals if r.id not in dropped]
             fail_batch(self.ctx, batch_id, INTERNAL_ERROR)
             self._end(batch_id, terminal=True)
 
@@ -234,7 +246,7 @@ class SharedRun:
         from server.pipeline import LineResult, engine_request
 
         engine = self.ctx.engine()
-        done = journal.done_ids(self.ctx.sessions, held.id)
+        done = journal.done_ids(self.ctx.sessions, held.batch_id)
         if done:
             log.info("batch %s: resuming, %d of %d requests already journaled",
                      held.id, len(done), total)
@@ -246,9 +258,7 @@ class SharedRun:
                 if not self._journal(held, request):
                     return
                 continue
-            held.in_flight[request.id] = (item.custom_id, item.line)
-            held.tokens[request.id] = len(request.prompt_token_ids) + request.params.max_tokens
-            held.sent[request.id] = request
+            held.add(item.custom_id, item.line, request)
             self._arrivals.append((request, held.level))
         log.info("batch %s joined the engine: %d requests, level %d, %d batches running",
                  held.id, len(held.in_flight), held.level, len(self.held))
@@ -261,9 +271,8 @@ class SharedRun:
         held = self.held.get(unit)
         if held is None or output.id not in held.in_flight:
             return  # a batch that left the run while this request was finishing
-        custom_id, line = held.in_flight.pop(output.id)
-        held.tokens.pop(output.id, None)
-        held.finished.append((held.sent.pop(output.id), output))
+        custom_id, line, request = held.pop(output.id)
+        held.finished.append((request, output))
         model = self._engine.model_name if self._engine is not None else ""
         if self._journal(held, line_result(custom_id, line, output, held.endpoint, model)) \
                 and not held.in_flight:
@@ -297,15 +306,15 @@ class SharedRun:
         if held.shard is not None:
             if held.in_flight and not stopped:
                 return self._leave(held, terminal=False)  # shutdown: resumable
-            if not shards.mark_done(self.ctx.sessions, held.batch_id, held.shard,
-                                    self.ctx.worker_id):
-                return self._leave(held, terminal=True)  # other shards still run: theirs to end
-            return self._leave(held, terminal=finish(self.ctx, batch) or True)
-        complete = journal.done_count(self.ctx.sessions, held.batch_id) >= batch.total
-        if not (complete or stopped):
+            if shards.mark_done(self.ctx.sessions, held.batch_id, held.shard,
+                                self.ctx.worker_id):
+                finish(self.ctx, batch)  # the last shard: the batch ends here
+            return self._leave(held, terminal=True)  # the shard is done either way
+        missing = batch.total - journal.done_count(self.ctx.sessions, held.batch_id)
+        if missing > 0 and not stopped:
             if not drained:
                 log.warning("batch %s: %d lines unjournaled, leaving it resumable", held.id,
-                            batch.total - journal.done_count(self.ctx.sessions, held.batch_id))
+                            missing)
             return self._leave(held, terminal=False)  # shutdown: resumable
         self._leave(held, terminal=finish(self.ctx, batch))
 
@@ -314,9 +323,7 @@ class SharedRun:
         reason = held.stop.reason
         if reason is StopReason.INTERRUPTED and draining:
             return  # shutdown: in-flight requests finish first (see `run`)
-        self._aborts |= held.in_flight.keys()
-        held.in_flight.clear()
-        held.tokens.clear()
+        self._aborts |= held.drop_all()
         if reason is StopReason.INTERRUPTED:  # the claim went to another worker
             log.warning("batch %s: claim lost, leaving the run", held.id)
             return self._leave(held, terminal=False, release=False)
@@ -339,15 +346,3 @@ class SharedRun:
 
     def _interrupted(self, batch_id: str) -> bool:
         return self.ctx.interrupted() or self.claims.lost(batch_id)
-
-    # ---- what the worker's claim rules read ---------------------------------------------
-    def tokens_in_flight(self, project: str | None = None) -> int:
-        return sum(h.tokens_in_flight for h in self.held.values()
-                   if project is None or h.project == project)
-
-    def lowest_level(self) -> int | None:
-        return min((h.level for h in self.held.values()), default=None)
-
-    def summary(self) -> dict[str, Any]:
-        return {bid: {"project": h.project, "level": h.level, "in_flight": len(h.in_flight)}
-                for bid, h in self.held.items()}

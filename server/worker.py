@@ -241,9 +241,11 @@ class _WorkerClaims:
         prio = settings.priorities
         held = run.held if run is not None else {}
         in_run = Counter(h.project for h in held.values())
-        lowest = run.lowest_level() if run is not None else None
-        total = run.tokens_in_flight() if run is not None else 0
-
+        tokens: Counter[str] = Counter()
+        for h in held.values():
+            tokens[h.project] += h.tokens_in_flight
+        total = sum(tokens.values())
+        lowest = min((h.level for h in held.values()), default=None)
         shards_held = {h.batch_id for h in held.values() if h.shard is not None}
 
         def may_join(c: Candidate) -> bool:
@@ -255,7 +257,7 @@ class _WorkerClaims:
             if lowest is not None and prio.get(c.project, 0) > lowest:
                 return True
             cap = settings.project_max_inflight_tokens
-            if cap is not None and run is not None and run.tokens_in_flight(c.project) >= cap:
+            if cap is not None and tokens[c.project] >= cap:
                 return False
             return total < settings.worker_max_inflight_tokens
 

@@ -220,6 +220,17 @@ def upload(
     )
 
 
+def create_batch(client: Any, content: bytes, *, window: str = "24h", **body: Any) -> dict[str, Any]:
+    """Upload `content` and create a chat-completions batch over it; returns the batch object."""
+    up = upload(client, content)
+    assert up.status_code == 200, up.text
+    created = client.post("/v1/batches", json={
+        "input_file_id": up.json()["id"], "endpoint": "/v1/chat/completions",
+        "completion_window": window, **body})
+    assert created.status_code == 200, created.text
+    return dict(created.json())
+
+
 def assert_error(
     response: Any, status: int, *, code: str | None = None, param: str | None = None
 ) -> dict[str, Any]:

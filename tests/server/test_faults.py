@@ -16,7 +16,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from tests.server.conftest import assert_error
+from tests.server.conftest import assert_error, create_batch
 from tests.server.live_process import (
     TERMINAL,
     Proc,
@@ -44,22 +44,7 @@ def _input(n: int, max_tokens: int = 6) -> bytes:
 
 
 def _create(c: httpx.Client, n: int, max_tokens: int = 6) -> str:
-    up = c.post(
-        "/v1/files",
-        data={"purpose": "batch"},
-        files={"file": ("faults.jsonl", _input(n, max_tokens))},
-    )
-    assert up.status_code == 200, up.text
-    created = c.post(
-        "/v1/batches",
-        json={
-            "input_file_id": up.json()["id"],
-            "endpoint": "/v1/chat/completions",
-            "completion_window": "24h",
-        },
-    )
-    assert created.status_code == 200, created.text
-    return str(created.json()["id"])
+    return str(create_batch(c, _input(n, max_tokens))["id"])
 
 
 class Watch:

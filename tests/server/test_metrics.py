@@ -24,7 +24,7 @@ from server.engine_monitor import STEP_BUCKETS, EngineMonitor, snapshot_dir
 from server.models import BatchRow
 from server.pipeline import LineResult
 from tests.server import live_process
-from tests.server.conftest import assert_error, batch_line
+from tests.server.conftest import assert_error, batch_line, create_batch
 from tests.server.test_worker import seed_batch
 
 KEYS = "sk-alice-0123456789:alpha,sk-bob-9876543210:beta"
@@ -285,19 +285,7 @@ def test_scraping_during_a_run_shows_tokens_per_second_and_kv_use_moving(tmp_pat
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
             server.wait_healthy(c)
-            fid = c.post(
-                "/v1/files",
-                data={"purpose": "batch"},
-                files={"file": ("m.jsonl", live_process.fixed_length_requests(24, "m", 48))},
-            ).json()["id"]
-            batch = c.post(
-                "/v1/batches",
-                json={
-                    "input_file_id": fid,
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                },
-            ).json()
+            batch = create_batch(c, live_process.fixed_length_requests(24, "m", 48))
             deadline = time.monotonic() + 600  # hang guard
             status = batch["status"]
             while status not in live_process.TERMINAL:

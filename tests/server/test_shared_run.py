@@ -20,6 +20,7 @@ from scheduler.mix import MixPolicy
 from server.config import Settings
 from server.worker import Worker
 from tests.server import test_worker
+from tests.server.conftest import create_batch
 from tests.server.test_worker import REPO, batch_row, chat_line, seed_batch, set_status
 
 
@@ -212,15 +213,7 @@ def test_through_the_api_a_one_minute_window_expires_and_a_cancel_lands_on_time(
         with httpx.Client(base_url=server.url, timeout=30) as c:
             server.wait_healthy(c)
 
-            def create(window: str) -> dict[str, Any]:
-                fid = c.post("/v1/files", data={"purpose": "batch"},
-                             files={"file": ("big.jsonl", big)}).json()["id"]
-                r = c.post("/v1/batches", json={"input_file_id": fid, "completion_window": window,
-                                                "endpoint": "/v1/chat/completions"})
-                assert r.status_code == 200, r.text
-                return dict(r.json())
-
-            expiring, cancelled = create("1m"), create("24h")
+            expiring, cancelled = create_batch(c, big, window="1m"), create_batch(c, big)
             deadline = time.monotonic() + 300  # hang guard
             cancel_sent = None
             while True:

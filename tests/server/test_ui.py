@@ -15,7 +15,7 @@ import pytest
 
 from server.config import Settings
 from tests.server import live_process
-from tests.server.conftest import assert_error, batch_line, upload
+from tests.server.conftest import assert_error, batch_line, create_batch, upload
 
 KEYS = "sk-alice-0123456789:alpha,sk-bob-9876543210:beta"
 ALICE_KEY, BOB_KEY = "sk-alice-0123456789", "sk-bob-9876543210"
@@ -35,23 +35,13 @@ def _create_batch(
 ) -> str:
     """`n` lines; with `spread_tokens`, line i asks for (i + 1) * spread_tokens tokens, so the
     lines finish one after another rather than together."""
-    if spread_tokens:
-        lines = "".join(
-            batch_line(f"u-{i}", f"Tell me about {i}.", max_tokens=(i + 1) * spread_tokens, **body)
-            + "\n"
-            for i in range(n)
-        )
-    else:
-        lines = "".join(
-            batch_line(f"u-{i}", f"Tell me about {i}.", **body) + "\n" for i in range(n)
-        )
-    fid = upload(client, lines.encode()).json()["id"]
-    created = client.post(
-        "/v1/batches",
-        json={"input_file_id": fid, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    lines = "".join(
+        batch_line(f"u-{i}", f"Tell me about {i}.",
+                   **{**body, **({"max_tokens": (i + 1) * spread_tokens} if spread_tokens else {})})
+        + "\n"
+        for i in range(n)
     )
-    assert created.status_code == 200, created.text
-    return str(created.json()["id"])
+    return str(create_batch(client, lines.encode())["id"])
 
 
 @pytest.fixture

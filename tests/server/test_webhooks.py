@@ -26,7 +26,8 @@ from server.jobs import JobContext, run_batch
 from server.models import BatchStatus, WebhookEventRow
 from server.storage import FileStorage
 from server.webhooks import WebhookSender, record_event
-from tests.server.conftest import batch_line, make_test_settings
+from tests.server import test_worker
+from tests.server.conftest import batch_line, create_batch, make_test_settings
 from tests.server.live_process import TERMINAL, free_port
 from tests.server.test_worker import batch_row, chat_line, seed_batch, set_status
 
@@ -92,9 +93,7 @@ def settings(make_settings: Callable[..., Settings], receiver: Receiver) -> Sett
 
 @pytest.fixture
 def db(settings: Settings) -> Iterator[sa.Engine]:
-    engine = make_engine(settings)
-    yield engine
-    engine.dispose()
+    yield from test_worker.database(settings)
 
 
 def events(db: sa.Engine) -> list[WebhookEventRow]:
@@ -354,18 +353,7 @@ def engine() -> Any:
 def _run_batch_over_http(client: httpx.Client, lines: int) -> dict[str, Any]:
     """Upload `lines` one-token chat requests, create a batch, poll it to a terminal status."""
     data = "".join(batch_line(f"r-{i}", max_tokens=1) + "\n" for i in range(lines)).encode()
-    upload = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", data)})
-    assert upload.status_code == 200, upload.text
-    created = client.post(
-        "/v1/batches",
-        json={
-            "input_file_id": upload.json()["id"],
-            "endpoint": "/v1/chat/completions",
-            "completion_window": "24h",
-        },
-    )
-    assert created.status_code == 200, created.text
-    batch: dict[str, Any] = created.json()
+    batch = create_batch(client, data)
     deadline = time.monotonic() + 300  # hang guard
     while batch["status"] not in TERMINAL:
         assert time.monotonic() < deadline, batch
