@@ -13,7 +13,7 @@ The steps of a representative real run through `Engine.generate` (long prompts a
 mixed steps, decode batches) join the fit, so it also covers what the forward alone misses (the
 engine's sampling, scheduling and bookkeeping) and how long chunks really scale. The JSON it writes is what
 `HardwareProfile.from_json` reads; profiles are cached under DATA_DIR/profiles/ keyed by model,
-device, dtype and threads (`cached_profile_path`).
+device, dtype, threads and attention path (`cached_profile_path`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 2  # 2: real steps of a representative run in the fit
+PROFILE_VERSION = 3  # 2: real steps of a representative run in the fit; 3: attention kind
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
 
 
@@ -199,6 +199,7 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         "overlap": 0.0,  # one stream: attention and GEMMs run one after the other
         # the torch backend attends a prefix its decodes share once per step, on the CPU
         "cascade": device.type == "cpu" and engine.attn.name == "torch",
+        "attention": attention_kind(engine),
         "step_model": coef,
         # Datasheet-style equivalents, for readers and older tools.
         "flops": 2.0 * _params(cfg) / coef["s_per_token"],
@@ -220,12 +221,21 @@ def _params(cfg: Any) -> int:
     return ModelShape.from_hf_config(cfg.to_hf()).params
 
 
+def attention_kind(engine: Engine) -> str:
+    """The attention path the steps take: `flashinfer`, `torch-paged` (the CPU kernel reads
+    pages in place) or `torch-gather`; a profile holds for one of them."""
+    if engine.attn.name != "torch":
+        return engine.attn.name
+    return "torch-paged" if getattr(engine.attn, "decode_kernel", None) is not None else "torch-gather"
+
+
 def cached_profile_path(data_dir: Path, engine: Engine) -> Path:
-    """DATA_DIR/profiles/<model>-<device>-<dtype>-t<threads>.json."""
+    """DATA_DIR/profiles/<model>-<device>-<dtype>-t<threads>-<attention>.json."""
     model = re.sub(r"[^A-Za-z0-9._-]+", "_", engine.model_name).strip("_") or "model"
     dtype = str(engine.dtype).removeprefix("torch.")
     device = engine.model.device.type
-    return data_dir / "profiles" / f"{model}-{device}-{dtype}-t{torch.get_num_threads()}.json"
+    name = f"{model}-{device}-{dtype}-t{torch.get_num_threads()}-{attention_kind(engine)}.json"
+    return data_dir / "profiles" / name
 
 
 def write_profile(path: Path, profile: dict[str, Any]) -> Path:

@@ -7,13 +7,20 @@ device's overlap (CostModel.overlap):
 
 - Where compute and memory overlap (a GPU with two streams), the dual scan: each step the right
   cursor admits memory-heavy requests, longest first so long decodes start early, within
-  M_R = M − M_L, M_L = M·(ρ_t − ρ_R)/(ρ_L − ρ_R) clamped to [0, M]; the left cursor admits
-  compute-heavy requests as the prefill queue drains. Pacing: a step's compute under its memory
-  time (KV reads + one weights read) costs only the non-overlapped share, so the prefill budget
-  fills compute up to that memory time, or to the critical-path pace (remaining compute / the
-  decode steps the longest request still needs) when that is larger; the memory side admits
-  while its steady-state read fits max(remaining compute, remaining memory + W·steps) / steps.
-  Steps stay balanced, and the work ends with the longest decode.
+  M_R = M − M_L, M_L = M·(ρ_t − ρ_R)/(ρ_L − ρ_R) clamped to [0, M] (each request counted at
+  its average occupancy p + d̂/2), while the KV the running requests will hold at its peak, as
+  they grow and finish at their estimates (KvPeak), leaves the compute side its share; a request
+  that would decode longer than all the other work needs starts at once, wherever the plan put
+  it (the critical path). The left cursor admits compute-heavy requests as the prefill queue
+  drains. Pacing: a step's compute under its memory time (KV reads + one weights read) costs
+  only the non-overlapped share, so the prefill budget fills compute up to that memory time
+  (leaning past it while compute is the larger remainder, short of it while memory is; prompt
+  attention counted), or to the critical-path pace (remaining compute / steps) when that is
+  larger, where steps is the most of the decode steps the longest request may still need
+  (overruns allowed for) and the steps the remaining KV reads need at full capacity; the
+  memory side admits while its steady-state read fits max(remaining compute, remaining
+  memory + W·steps) / steps (steps as estimated). Steps stay balanced, and the work ends with
+  the longest decode.
 - Where they do not overlap (this CPU runtime), mixing hides nothing: every step costs W plus
   its compute plus its memory, so only the step count and the prefix sharing can change. The plan
   keeps the sharing order (no splitting), puts the subtrees with the longest decodes first (they
@@ -43,6 +50,7 @@ from scheduler.types import PlanRequest, StepBudget
 from scheduler.warmup import plan_warmup, prior_lengths
 
 LEFT, RIGHT = 0, 1
+EST, CRIT = 3, 5  # running-row columns: the length estimate, and the one allowing overruns
 WINDOW_LEAVES = 256  # ρ at a cursor: over the leaves that would fill M, at most this many
 RIGHT_MAX_SHARE = 0.9  # the memory side reserves at most this share of the KV capacity
 PACE_LEAN = 0.05  # fill compute 5% past a step's memory time (or short of it, memory-bound)
@@ -84,23 +92,27 @@ def steady_prefill(mem_tokens: float, mean_computed: float, mean_output: float) 
     return n * mean_computed / mean_output
 
 
-class _RangeMax:
-    """Sparse table: max of a fixed array over [lo, hi) in O(1)."""
+class KvPeak:
+    """The most KV a set of running requests will hold: request i holds c_i + t tokens until
+    it finishes r_i steps from now, so with r sorted descending the peak is
+    max_k (c_1 + … + c_k + k·r_k), just before the k-th longest finishes."""
 
-    def __init__(self, values: np.ndarray) -> None:
-        self._levels = [np.asarray(values, dtype=np.float64)]
-        width = 1
-        while 2 * width <= len(values):
-            prev = self._levels[-1]
-            self._levels.append(np.maximum(prev[:-width], prev[width:]))
-            width *= 2
+    def __init__(self, held: np.ndarray, left: np.ndarray) -> None:
+        order = np.argsort(-left, kind="stable")
+        self._held = held[order]  # c: KV held now, by remaining steps, descending
+        self._left = left[order]  # r
 
-    def __call__(self, lo: int, hi: int) -> float:
-        if hi <= lo:
-            return 0.0
-        k = (hi - lo).bit_length() - 1
-        level = self._levels[k]
-        return float(max(level[lo], level[hi - (1 << k)]))
+    def _insert(self, held: float, left: float) -> tuple[np.ndarray, np.ndarray]:
+        k = int(np.searchsorted(-self._left, -left, side="right"))
+        return np.insert(self._held, k, held), np.insert(self._left, k, left)
+
+    def with_request(self, held: float, left: float) -> float:
+        """The peak if a request holding `held` tokens now and decoding `left` more joins."""
+        c, r = self._insert(held, left)
+        return float(np.max(np.cumsum(c) + np.arange(1, len(r) + 1) * r))
+
+    def add(self, held: float, left: float) -> None:
+        self._held, self._left = self._insert(held, left)
 
 
 class BlendPolicy:
@@ -167,7 +179,9 @@ class BlendPolicy:
         self._read = 0.0  # Σ (p + g): KV read by the next step
         self._rem_comp = 0.0  # Σ (d̂ − g)·2P/F: decode compute still to do
         self._rem_mem = 0.0  # Σ (d̂ − g)·(p + (d̂ + g)/2)·kv/B: decode memory still to do
-        self._left_heap: list[tuple[float, int, float]] = []  # (−(d̂ − g), request, g) lazy max
+        # Lazy maxima of the decode steps running requests still need, as estimated (column
+        # EST: d̂ − g) and allowing overruns (CRIT): {column: [(−steps, request, g)]}.
+        self._heaps: dict[int, list[tuple[float, int, float]]] = {EST: [], CRIT: []}
         self._split: MemorySplit | None = None
         self._decoding = 0  # running requests that have reported progress (past their prefill)
         self._credit = 0.0  # prefill tokens owed to past steps by batch-multiple rounding
@@ -214,7 +228,10 @@ class BlendPolicy:
         self._overrun = overrun_factor(self._tree, idx, lens)
         allowance = np.where(self._known[plan.order] >= 0, 1.0, self._overrun)
         crit = np.minimum(plan.output * allowance, self._max_tokens[plan.order])
-        self._max_out = _RangeMax(crit)  # decode steps the longest unadmitted request may need
+        self._crit = crit  # [positions] decode steps each request may need
+        self._by_crit = np.argsort(-crit, kind="stable")  # positions, longest first
+        self._crit_next = 0  # first entry of _by_crit that may not have started
+        self._jumped = [0.0, 0.0]  # comp, mem of requests started ahead of the cursors
         self._left, self._right = 0, len(plan)
 
     @property
@@ -282,17 +299,53 @@ class BlendPolicy:
             steady_prefill(m_r, p_r, d_r),
         )
 
-    def remaining(self, waiting_prefill_tokens: int) -> tuple[float, float, float]:
-        """(compute s, KV-read s, decode steps of the longest request) left in the plan and in flight."""
+    def remaining(self, waiting_prefill_tokens: int, capacity: float,
+                  cautious: bool = True) -> tuple[float, float, float]:
+        """(compute s, KV-read s, steps) left in the plan and in flight. Steps: the decode steps
+        the longest request still needs (a running one's overruns allowed for when `cautious`),
+        or the steps the KV reads need when a step reads at most the `capacity` tokens it
+        holds, whichever is more."""
         lo, hi = self._left, self._right
         comp = (
             self._cum_comp[hi]
             - self._cum_comp[lo]
+            - self._jumped[0]
             + self._rem_comp
             + waiting_prefill_tokens * self._spt
         )
-        mem = self._cum_mem[hi] - self._cum_mem[lo] + self._rem_mem
-        return comp, mem, max(self._max_out(lo, hi), self._longest_running(), 1.0)
+        mem = self._cum_mem[hi] - self._cum_mem[lo] - self._jumped[1] + self._rem_mem
+        kv_steps = mem / (max(capacity, 1.0) * self._skv)
+        longest = self._longest_unstarted()[1]
+        running = self._longest_running(CRIT if cautious else EST)
+        return comp, mem, max(longest, running, kv_steps, 1.0)
+
+    def _longest_unstarted(self) -> tuple[int, float]:
+        """(plan position, decode steps) of the longest request not started yet; (-1, 0) if none."""
+        assert self._plan is not None
+        order, by_crit = self._plan.order, self._by_crit
+        while self._crit_next < len(by_crit) and self._started[order[by_crit[self._crit_next]]]:
+            self._crit_next += 1
+        if self._crit_next >= len(by_crit):
+            return -1, 0.0
+        pos = int(by_crit[self._crit_next])
+        return pos, float(self._crit[pos])
+
+    def _trim(self) -> None:
+        """Move the cursors past requests the critical path started ahead of them."""
+        plan = self._plan
+        assert plan is not None
+        started = self._started
+        while self._left < self._right and started[plan.order[self._left]]:
+            self._unjump(self._left)
+            self._left += 1
+        while self._left < self._right and started[plan.order[self._right - 1]]:
+            self._right -= 1
+            self._unjump(self._right)
+
+    def _unjump(self, pos: int) -> None:
+        assert self._plan is not None
+        self._jumped[0] -= float(self._plan.comp[pos])
+        self._jumped[1] -= float(self._plan.mem[pos])
 
     # ---------------------------------------------------------------- running bookkeeping
     def _contribution(self, p: float, d: float, g: float) -> tuple[float, float, float, float]:
@@ -318,15 +371,19 @@ class BlendPolicy:
         row = [float(side), need, float(self._reqs[req].prompt_len), d, 0.0, crit]
         self._run[req] = row
         self._account(row, 1.0)
-        heapq.heappush(self._left_heap, (-crit, req, 0.0))
+        self._push(req, row)
         return self._reqs[req]
 
-    def _longest_running(self) -> float:
-        heap = self._left_heap
+    def _push(self, req: int, row: list[float]) -> None:
+        for col, heap in self._heaps.items():
+            heapq.heappush(heap, (-(row[col] - row[4]), req, row[4]))
+
+    def _longest_running(self, col: int = CRIT) -> float:
+        heap = self._heaps[col]
         while heap:
             neg, req, g = heap[0]
             row = self._run.get(req)
-            if row is not None and row[4] == g and -neg == row[5] - g:
+            if row is not None and row[4] == g and -neg == row[col] - g:
                 return -neg
             heapq.heappop(heap)
         return 0.0
@@ -347,11 +404,13 @@ class BlendPolicy:
     def _admit_dual(self, budget: StepBudget) -> list[PlanRequest]:
         plan = self._plan
         assert plan is not None
+        self._trim()
         capacity = float(budget.kv_capacity_tokens or self._capacity)
         split = self._split = (
             self.memory_split(capacity) if self._left < self._right else self._split
         )
-        r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens)
+        r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity,
+                                              cautious=False)
         # The memory side may read up to τ − W per step, τ = the larger remainder (weights read
         # once a step included) over the critical-path steps: ahead of compute is free while
         # compute is the larger remainder, and no faster than the longest decode allows.
@@ -361,39 +420,66 @@ class BlendPolicy:
         queued = float(budget.waiting_prefill_tokens)
         free = float(budget.free_kv_tokens) - queued
         out: list[PlanRequest] = []
-        used_total = self._used[LEFT] + self._used[RIGHT]
-        # 1. Memory side: longest decodes first, within M_R, capacity and the read budget.
-        # Keep a margin for the compute side: memory-side requests overrun their estimates, and
-        # a compute side shut out of KV leaves steps memory-bound.
+        # 1. Memory side. A request joins it while it fits M_R (at most RIGHT_MAX_SHARE of the
+        # KV: memory-side requests overrun their estimates, and a compute side shut out of KV
+        # leaves steps memory-bound), the capacity and the read budget, its prompt fits the
+        # executor's free KV, at most a step of prefill is queued while compute leads, and the
+        # KV the running requests will hold at its peak, as they grow and finish at their
+        # estimates, leaves the compute side its share.
         m_right = min(split.mem_right, RIGHT_MAX_SHARE * capacity) if split is not None else 0.0
-        # What the executor really has free (estimates run short on long tails) must keep the
-        # compute side's share, or prefill stalls and steps go memory-bound.
         keep_free = (1.0 - RIGHT_MAX_SHARE) * capacity
-        # Running requests will still grow by the decode tokens they are expected to produce.
-        growth = self._rem_comp / self._spt
-        while self._left < self._right:
-            pos = self._right - 1
-            computed, d, p = (
-                float(plan.computed[pos]),
-                float(plan.output[pos]),
-                float(plan.prompt[pos]),
+        peak = self._kv_peak()
+
+        def fits_kv(computed: float, p: float, d: float) -> bool:
+            return computed + keep_free <= free and peak.with_request(p, d) + keep_free <= capacity
+
+        def fits(computed: float, p: float, d: float) -> bool:
+            need = computed + d / 2.0  # what it holds on average over its decode
+            return (
+                fits_kv(computed, p, d)
+                and self._used[RIGHT] + need <= m_right
+                and self._used[LEFT] + self._used[RIGHT] + need <= capacity
+                and self._avg_read + p + d / 2.0 <= read_budget
+                and not (compute_leads and queued >= self._step_tokens)  # one step queued will do
             )
-            need = computed + d  # full reservation: memory-side requests grow together
-            alone = not self._run and not out
-            if not alone and (
-                self._used[RIGHT] + need > m_right
-                or used_total + need > capacity
-                or self._avg_read + p + d / 2.0 > read_budget
-                or computed + d + growth + keep_free > free
-                or (compute_leads and queued >= self._step_tokens)  # one step queued will do
-            ):
-                break
-            self._right -= 1
-            out.append(self._take(pos, RIGHT, need))
-            growth += d
-            used_total += need
+
+        def start(pos: int, computed: float) -> None:
+            nonlocal queued, free
+            d = float(plan.output[pos])
+            peak.add(float(plan.prompt[pos]), d)
+            out.append(self._take(pos, RIGHT, computed + d / 2.0))
             queued += computed
             free -= computed
+
+        # 1a. The critical path: a request that would decode for longer than the rest of the
+        # work needs (the longest running decode, the KV reads at full capacity, the compute in
+        # full steps) starts now, wherever the plan put it (its prefix is recomputed), or it
+        # would make the tail alone.
+        rest = max(self._longest_running(EST), r_mem / (capacity * self._skv),
+                   r_comp / (self._step_tokens * self._spt))
+        while True:
+            pos, crit = self._longest_unstarted()
+            if pos < 0 or crit <= rest:
+                break
+            p = float(plan.prompt[pos])
+            alone = not self._run and not out
+            if not alone and not fits_kv(p, p, crit):  # sized allowing overruns: it is long
+                break
+            self._jumped[0] += float(plan.comp[pos])
+            self._jumped[1] += float(plan.mem[pos])
+            start(pos, p)
+            rest = max(rest, float(plan.output[pos]))
+        # 1b. The right cursor: the least dense requests, longest decodes first.
+        self._trim()
+        while self._left < self._right:
+            pos = self._right - 1
+            computed = float(plan.computed[pos])
+            alone = not self._run and not out
+            if not alone and not fits(computed, float(plan.prompt[pos]), float(plan.output[pos])):
+                break
+            self._right -= 1
+            start(pos, computed)
+            self._trim()
         # 2. Compute side: keep about one step of prefill queued, in the executor's free KV and
         # in what the memory side leaves; estimate overruns inflate the memory side's
         # reservations, so they count only up to its maximum share.
@@ -404,8 +490,9 @@ class BlendPolicy:
         prompt_per_computed = (self._cum_prompt[hi] - self._cum_prompt[lo]) / max(
             self._cum_computed[hi] - self._cum_computed[lo], 1.0
         )
+        pace_steps = self.remaining(budget.waiting_prefill_tokens, capacity)[2]
         pace = (
-            max(self._prefill_tokens(r_comp, steps, self._decoding), 1.0)
+            max(self._prefill_tokens(r_comp, pace_steps, self._decoding, compute_leads), 1.0)
             * prompt_per_computed
         )
         while self._left < self._right:
@@ -420,6 +507,7 @@ class BlendPolicy:
             left_room -= need
             queued += computed
             free -= computed
+            self._trim()
         return out
 
     def _admit_in_order(self, budget: StepBudget) -> list[PlanRequest]:
@@ -442,17 +530,41 @@ class BlendPolicy:
             free -= prompt
         return out
 
+    def _kv_peak(self) -> KvPeak:
+        """The running requests' KV growth and finishes, as their estimates predict."""
+        rows = list(self._run.values())
+        held = np.fromiter((row[2] + row[4] for row in rows), np.float64, len(rows))
+        left = np.fromiter((max(row[3] - row[4], 0.0) for row in rows), np.float64, len(rows))
+        return KvPeak(held, left)
+
     def _take(self, pos: int, side: int, need: float) -> PlanRequest:
         assert self._plan is not None
         return self._start(int(self._plan.order[pos]), side, need)
 
-    def _prefill_tokens(self, r_comp: float, steps: float, decoding: int) -> float:
+    def _prefill_tokens(self, r_comp: float, steps: float, decoding: int,
+                        compute_leads: bool) -> float:
         """Prefill tokens that fill the step's compute up to its memory time (KV reads and the
         weights read: compute under it is nearly free), or to the critical-path pace
-        (remaining compute / steps) when that is larger."""
-        memory = self._read * self._skv + self._weights
+        (remaining compute / steps) when that is larger. The fill leans PACE_LEAN past the
+        memory time while compute is the larger remainder (its steps should be compute-bound,
+        hiding all memory) and short of it while memory is."""
+        lean = 1.0 + PACE_LEAN if compute_leads else 1.0 - PACE_LEAN
+        memory = (self._read * self._skv + self._weights) * lean
         seconds = max(memory, r_comp / steps)
-        return max(seconds / self._spt - decoding, 0.0)
+        return max((seconds - decoding * self._spt) / self._prefill_token_s(), 0.0)
+
+    def _prefill_token_s(self) -> float:
+        """Compute seconds of one prefill token at the left cursor: the linear layers plus its
+        share of the prompt's attention (which a long prompt makes a few percent more)."""
+        lo = self._left
+        hi = min(self._right, lo + WINDOW_LEAVES)
+        computed = self._cum_computed[hi] - self._cum_computed[lo]
+        if computed <= 0:
+            return self._spt
+        out = self._cum_out[hi] - self._cum_out[lo]
+        linear = computed * self._spt + out * (self._spt + self._cost.seconds_per_row)
+        attention = self._cum_comp[hi] - self._cum_comp[lo] - linear
+        return self._spt + max(attention, 0.0) / computed
 
     def _admit_warmup(self, budget: StepBudget) -> list[PlanRequest]:
         """The sample first, then filler (known lengths, then sharing order) while the KV
@@ -495,8 +607,12 @@ class BlendPolicy:
             return None  # full steps: no overlap to pace for, warm-up, or nothing decodes
         multiple = max(1, self._cost.hardware.batch_multiple)
         decoding = self._decoding
-        r_comp, _, steps = self.remaining(budget.waiting_prefill_tokens)
-        want = self._prefill_tokens(r_comp, steps, decoding)
+        capacity = float(budget.kv_capacity_tokens or self._capacity)
+        r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity,
+                                              cautious=False)
+        compute_leads = r_comp >= r_mem + self._weights * steps
+        steps = self.remaining(budget.waiting_prefill_tokens, capacity)[2]
+        want = self._prefill_tokens(r_comp, steps, decoding, compute_leads)
         if budget.waiting_prefill_tokens <= 0:
             self._credit = 0.0
             return int(want)
@@ -522,15 +638,21 @@ class BlendPolicy:
         if req in self._warm_left:
             self._warm_left.discard(req)
             self._sample_lens[req] = int(output_len)
-            self._learned += 1
-            # Planned at the deadline with this sample censored: re-plan what has not started
-            # once a quarter of the censored samples (or the last of them) have finished.
-            if self._plan is not None and not self._withdrawn and self._left < self._right and (
-                    not self._warm_left or self._learned >= max(1, self.censored // 4)):
-                self._make_plan()
+            self._learn()
+
+    def _learn(self) -> None:
+        """Planned at the deadline with samples censored: re-plan what has not started once a
+        quarter of the censored samples (or the last of them) have finished or, when blending,
+        outgrown their censored estimate: the long ones set the memory work (it grows with d²)
+        and the critical path, which the pacing follows."""
+        self._learned += 1
+        if self._plan is not None and not self._withdrawn and self._left < self._right and (
+                not self._warm_left or self._learned >= max(1, self.censored // 4)):
+            self._make_plan()
 
     def on_progress(self, request_id: str, generated: int) -> None:
-        """Track progress; a request past its estimate is re-estimated and charged to the memory side."""
+        """Track progress; a request past its estimate is re-estimated and charged to the memory
+        side (a censored sample's overrun also counts towards a re-plan)."""
         req = self._index.get(request_id)
         row = self._run.get(req) if req is not None else None
         if row is None or req is None:
@@ -538,7 +660,8 @@ class BlendPolicy:
         self._account(row, -1.0)
         self._decoding += row[4] == 0 and generated > 0
         row[4] = float(generated)
-        if generated >= row[3]:
+        outgrown = generated >= row[3]
+        if outgrown:
             new = corrected_estimate(row[3], generated, int(self._max_tokens[req]))
             row[1] += new - row[3]
             row[0] = float(RIGHT)
@@ -546,13 +669,16 @@ class BlendPolicy:
             row[5] = max(row[5], min(new * self._overrun, float(self._max_tokens[req])))
             self._est[req] = new
         self._account(row, 1.0)
-        heapq.heappush(self._left_heap, (-(row[5] - row[4]), req, row[4]))
+        self._push(req, row)
+        if outgrown and self.blending and req in self._warm_left and self._plan is not None:
+            self._learn()
 
     def has_pending(self) -> bool:
         if self._withdrawn:
             return False
         if self._plan is None:
             return True
+        self._trim()
         return self._left < self._right
 
     def withdraw(self) -> list[PlanRequest]:
@@ -563,4 +689,4 @@ class BlendPolicy:
             return [r for i, r in enumerate(self._reqs) if not self._started[i]]
         order = self._plan.order[self._left : self._right]
         self._left = self._right
-        return [self._reqs[int(i)] for i in order]
+        return [self._reqs[int(i)] for i in order if not self._started[i]]

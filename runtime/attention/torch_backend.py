@@ -1,4 +1,10 @@
-"""The `torch` backend: one gather over the page table + the CPU/CUDA flash SDPA kernel.
+"""The `torch` backend: decodes read the paged pool in place (CPU kernel), prefill chunks gather
+their pages for the CPU/CUDA flash SDPA kernel.
+
+On a CPU with a C compiler, decode attention runs in `paged_decode.c` (see cpu_kernel.py): each
+sequence's pages are read where they lie, with no gathered copy and no padding. Without it (no
+compiler, CUDA without flashinfer) decodes take the gather + SDPA path below, in buckets of
+similar length.
 
 Decodes (one query each) and prefill chunks are padded apart so a 512-token chunk does not pad
 every decode row to 512 queries; prefill chunks are padded in buckets of similar size, so a
@@ -21,7 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime.attention import cpu_kernel
 from runtime.attention.base import AttentionBackend, AttentionBatch, register_backend
+from runtime.kv_cache import PagedKVPool
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -61,10 +69,22 @@ class _Dense:
 
 
 @dataclass(frozen=True, slots=True)
+class _Paged:
+    """Decode-like sequences (all query rows after all keys) that the CPU kernel reads in place."""
+
+    table: torch.Tensor  # [S, max_pages] int32
+    lens: torch.Tensor  # [S] int32 context lengths
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lens)
+
+
+@dataclass(frozen=True, slots=True)
 class _Shared:
     """Groups of decodes sharing leading pages: the prefix part of cascade attention."""
 
-    dense: _Dense  # one "sequence" per group: its shared pages, queries = members × g
+    dense: _Dense | _Paged  # one "sequence" per group: its shared pages, queries = members × g
     members: int  # queries stacked per group (largest group; smaller ones padded)
     q_idx: torch.Tensor  # [G * members] decode index feeding each stacked row
     seqs: torch.Tensor  # [M] decodes that have a shared prefix
@@ -77,7 +97,7 @@ class TorchPlan:
     num_decode: int
     # decodes over their own (non-shared) pages, in buckets of similar length so that short
     # contexts are not padded to the longest; index = decodes in the bucket (None: all, in order)
-    decode: tuple[tuple[torch.Tensor | None, _Dense], ...]
+    decode: tuple[tuple[torch.Tensor | None, _Dense | _Paged], ...]
     shared: _Shared | None
     # prefill chunks in buckets of similar size; index = token rows of q[num_decode:] (None: all)
     prefill: tuple[tuple[torch.Tensor | None, _Dense], ...]
@@ -100,6 +120,19 @@ def _slots(batch: AttentionBatch, page_size: int) -> torch.Tensor:
 class TorchAttention(AttentionBackend):
     min_shared_pages = 2  # cascade only when a group shares at least this many pages
     decode_buckets = 4  # at most this many length buckets of decodes (>= 16 decodes each)
+
+    def __init__(self, pool: PagedKVPool, *, num_heads: int, scale: float) -> None:
+        super().__init__(pool, num_heads=num_heads, scale=scale)
+        on_cpu = pool.data.device.type == "cpu" and pool.data.dtype in cpu_kernel.DTYPES
+        self.decode_kernel = cpu_kernel.load() if on_cpu else None  # decodes read pages in place
+
+    def _decode_seqs(self, kv_lens: Sequence[int], tables: Sequence[Sequence[int]]) -> _Dense | _Paged:
+        """Sequences whose query rows all follow their keys: for the kernel, or padded + masked."""
+        if self.decode_kernel is None:
+            return self._dense([1] * len(kv_lens), kv_lens, tables, 1)
+        max_pages = max(len(p) for p in tables)
+        table = torch.tensor([list(p) + [0] * (max_pages - len(p)) for p in tables], dtype=torch.int32)
+        return _Paged(table, torch.tensor(kv_lens, dtype=torch.int32))
 
     def _dense(self, q_lens: Sequence[int], kv_lens: Sequence[int],
                tables: Sequence[Sequence[int]], q_rows: int) -> _Dense:
@@ -165,7 +198,7 @@ class TorchAttention(AttentionBackend):
             ptabs.append(tables[idxs[0]][:n])
             plens.append(n * ps)
         # each group is one "sequence" of members × g stacked query rows after all its keys
-        dense = self._dense([1] * len(ptabs), plens, ptabs, 1)
+        dense = self._decode_seqs(plens, ptabs)
         dev = self.pool.data.device
 
         def lt(x: list[int]) -> torch.Tensor:
@@ -177,7 +210,7 @@ class TorchAttention(AttentionBackend):
         g = self.num_heads // self.pool.kv_heads
         nd, ps = batch.num_decode, self.pool.page_size
         shared_plan = None
-        decode: list[tuple[torch.Tensor | None, _Dense]] = []
+        decode: list[tuple[torch.Tensor | None, _Dense | _Paged]] = []
         if nd:
             tables, kv = batch.page_tables[:nd], batch.kv_lens[:nd]
             cascade = nd > 1 and self.pool.data.device.type == "cpu"
@@ -186,12 +219,12 @@ class TorchAttention(AttentionBackend):
                 shared_plan = self._plan_shared(tables, shared)
             own_lens = [k - n * ps for k, n in zip(kv, shared)]
             own_tables = [t[n:] for t, n in zip(tables, shared)]
-            nb = max(1, min(self.decode_buckets, nd // 16))
+            # the kernel reads no padding; padded SDPA takes decodes in buckets of similar length
+            nb = 1 if self.decode_kernel is not None else max(1, min(self.decode_buckets, nd // 16))
             order = sorted(range(nd), key=own_lens.__getitem__) if nb > 1 else list(range(nd))
             for b in range(nb):
                 idx = order[b * nd // nb : (b + 1) * nd // nb]
-                d = self._dense([1] * len(idx), [own_lens[i] for i in idx],
-                                [own_tables[i] for i in idx], 1)
+                d = self._decode_seqs([own_lens[i] for i in idx], [own_tables[i] for i in idx])
                 decode.append((torch.tensor(idx, device=self.pool.data.device) if nb > 1 else None, d))
         prefill: list[tuple[torch.Tensor | None, _Dense]] = []
         if nd < len(batch.q_lens):
@@ -213,10 +246,14 @@ class TorchAttention(AttentionBackend):
             kv_read -= sum(n for n in shared) * ps - sum(n for _, n in groups) * ps
         return TorchPlan(slots, nd, tuple(decode), shared_plan, tuple(prefill), kv_read)
 
-    def _attend(self, q: torch.Tensor, d: _Dense, k_flat: torch.Tensor,
+    def _attend(self, q: torch.Tensor, d: _Dense | _Paged, k_flat: torch.Tensor,
                 v_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q: [S, kvh, rows, hd] -> (out [S, kvh, rows, hd], logsumexp [S, kvh, rows] fp32)."""
         pool = self.pool
+        if isinstance(d, _Paged):
+            assert self.decode_kernel is not None  # _Paged is planned only with the kernel loaded
+            return cpu_kernel.paged_decode(self.decode_kernel, q, k_flat, v_flat, pool.page_size,
+                                           d.table, d.lens, self.scale)
         # gather each sequence's pages: [S*pages, ps*kvh*hd] -> [S, kvh, K, hd] (a strided view)
         shape = (d.num_seqs, d.max_pages * pool.page_size, pool.kv_heads, pool.head_dim)
         kg = k_flat.index_select(0, d.page_table).view(shape).transpose(1, 2)
@@ -225,7 +262,8 @@ class TorchAttention(AttentionBackend):
             return F.scaled_dot_product_attention(q, kg, vg, attn_mask=d.mask, scale=self.scale), None
         return _flash(q, kg, vg, 0.0, False, attn_mask=d.mask, scale=self.scale)
 
-    def _attend_decodes(self, qd: torch.Tensor, buckets: tuple[tuple[torch.Tensor | None, _Dense], ...],
+    def _attend_decodes(self, qd: torch.Tensor,
+                        buckets: tuple[tuple[torch.Tensor | None, _Dense | _Paged], ...],
                         k_flat: torch.Tensor, v_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """qd: [S, kvh, g, hd] -> (out [S, kvh, g, hd], logsumexp [S, kvh, g])."""
         if len(buckets) == 1 and buckets[0][0] is None:

@@ -86,11 +86,16 @@ def test_backend_registry_knows_torch_and_rejects_unknown_names() -> None:
         make_backend("nope", pool, num_heads=1, scale=1.0)
 
 
-def test_cascade_over_shared_pages_equals_plain_decode_attention() -> None:
+@pytest.mark.parametrize("in_place", [True, False], ids=["kernel", "gather"])
+def test_cascade_over_shared_pages_equals_plain_decode_attention(in_place: bool) -> None:
     hf = hf_model("llama")
     model, pool = ours(hf)
     cfg = model.config
     attn = make_backend("torch", pool, num_heads=cfg.num_heads, scale=cfg.head_dim**-0.5)
+    if in_place:
+        assert attn.decode_kernel is not None, "the CPU decode kernel did not build here"
+    else:
+        attn.decode_kernel = None
     gen = torch.Generator().manual_seed(3)
     pool.data.normal_(generator=gen)  # arbitrary cached K/V
     # three decodes share pages 0-2; the third also shares page 3 with nobody; one stands alone
@@ -115,6 +120,7 @@ def test_decode_length_buckets_equal_one_padded_batch() -> None:
     model, pool = ours(hf)
     cfg = model.config
     attn = make_backend("torch", pool, num_heads=cfg.num_heads, scale=cfg.head_dim**-0.5)
+    attn.decode_kernel = None  # buckets are the gather path's; the kernel reads no padding
     gen = torch.Generator().manual_seed(4)
     pool.data.normal_(generator=gen)
     n = 40  # two buckets of 20, lengths 1..40 tokens
@@ -131,3 +137,37 @@ def test_decode_length_buckets_equal_one_padded_batch() -> None:
     attn.decode_buckets = 1
     single = attn.forward(0, q, k, v, attn.plan(batch))
     torch.testing.assert_close(bucketed, single, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24], ids=["hd64", "hd24"])  # 16-lane path, plain loops
+def test_in_place_decode_kernel_equals_gathered_sdpa(dtype: torch.dtype, head_dim: int) -> None:
+    """Contexts of 1 token up to several kernel chunks (split and merged), pages scattered."""
+    ps, n, heads, kv_heads = 16, 12, 6, 2
+    kv_lens = [1, 2, 15, 16, 17, 100, 255, 256, 257, 600, 1000, 31]
+    pool = PagedKVPool(num_layers=1, num_pages=256, page_size=ps, kv_heads=kv_heads,
+                       head_dim=head_dim, dtype=dtype)
+    gen = torch.Generator().manual_seed(5)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    free = torch.randperm(256, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-kl // ps))] for kl in kv_lens]
+    batch = AttentionBatch(q_lens=[1] * n, kv_lens=kv_lens, page_tables=tables, num_decode=n)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    attn = make_backend("torch", pool, num_heads=heads, scale=head_dim**-0.5)
+    assert attn.decode_kernel is not None, "the CPU decode kernel did not build here"
+    in_place = attn.forward(0, q, k, v, attn.plan(batch))
+    attn.decode_kernel = None
+    gathered = attn.forward(0, q, k, v, attn.plan(batch))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(in_place.float(), gathered.float(), rtol=tol, atol=tol)
+
+
+def test_loading_the_decode_kernel_keeps_subnormal_floats() -> None:
+    """A library linked with -ffast-math turns on flush-to-zero for the whole process."""
+    from runtime.attention import cpu_kernel
+
+    assert cpu_kernel.load() is not None, "the CPU decode kernel did not build here"
+    tiny = torch.tensor(1e-40, dtype=torch.float32)  # subnormal in fp32
+    assert (tiny * 1.0).item() > 0.0

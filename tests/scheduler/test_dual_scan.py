@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from scheduler.dual_scan import BlendPolicy, split_memory, steady_prefill
+from scheduler.dual_scan import BlendPolicy, KvPeak, split_memory, steady_prefill
 from scheduler.prefix_tree import PrefixTree
 from scheduler.types import PlanRequest
 from tests.scheduler.factories import h200_8b, make_budget, make_request
@@ -24,11 +24,13 @@ def _mix(n_compute=30, n_memory=10):
     return compute + memory
 
 
-def _drive(policy, reqs, capacity=200_000, true_len=None, max_steps=100_000):
-    """A toy executor: admitted requests decode one token per step; returns the admission order."""
+def _drive(policy, reqs, capacity=200_000, true_len=None, max_steps=100_000, finished_at=None):
+    """A toy executor: admitted requests decode one token per step; returns the admission order
+    (and fills `finished_at`: request -> admissions made before it finished)."""
     lens = true_len or {r.id: r.known_output_len or 1 for r in reqs}
     running: dict[str, int] = {}
     order: list[str] = []
+    finished_at = {} if finished_at is None else finished_at
     for _ in range(max_steps):
         if not policy.has_pending() and not running:
             return order
@@ -44,6 +46,7 @@ def _drive(policy, reqs, capacity=200_000, true_len=None, max_steps=100_000):
             policy.on_progress(rid, running[rid])
             if running[rid] >= lens[rid]:
                 del running[rid]
+                finished_at[rid] = len(order)
                 policy.on_finish(rid, lens[rid])
     raise AssertionError("toy executor did not finish")
 
@@ -124,6 +127,24 @@ def test_the_plan_does_not_wait_past_the_deadline_for_a_long_sample():
     assert (pol.plan.output == 32).all()  # censored at g: at least 2g, capped by max_tokens
 
 
+def test_a_censored_sample_outgrowing_its_estimate_triggers_a_replan():
+    reqs = _warm_batch(max_tokens=4096)
+    pol = _warm_policy(reqs)
+    first = pol.admit(make_budget(200_000))
+    samples = [r for r in first if r.id in set(pol.warmup_request_ids)]
+    step = 0
+    while pol.plan is None:
+        step += 1
+        pol.prefill_budget(make_budget(200_000, running=len(first)))
+        for r in samples:
+            pol.on_progress(r.id, step)
+        pol.admit(make_budget(200_000, running=len(first)))
+    planned = float(pol.plan.output.max())  # censored at g: 2g
+    for r in samples[: pol.censored // 4]:  # a quarter run past their estimate (the prior)
+        pol.on_progress(r.id, 256)
+    assert pol.replans == 1 and pol.plan.output.max() > planned
+
+
 def test_a_batch_too_small_for_sampling_to_pay_is_planned_at_once_from_the_prior():
     reqs = [make_request(50, prefix=[1] * 40, max_tokens=100) for _ in range(300)]
     pol = _policy(reqs, sample_rate=0.02)
@@ -145,13 +166,43 @@ def test_the_longest_decodes_start_first():
     assert order[0] == longest.id
 
 
+def test_a_long_decode_kept_mid_plan_by_its_shared_prefix_starts_first():
+    # The long decode shares a prefix too long to split off with compute-heavy requests, so the
+    # plan keeps it mid-order; it would outlast everything else and must start at once.
+    shared = [7] * 3000
+    compute = [make_request(23_000, 8, prefix=shared) for _ in range(50)]
+    long_decode = make_request(3500, 14_000, prefix=shared, max_tokens=32_000)
+    memory = [make_request(2000, 3000, prefix=[9] * 1990) for _ in range(10)]
+    pol = _policy(compute + [long_decode] + memory)
+    assert 0 < pol.plan.order.tolist().index(len(compute)) < len(pol.plan) - 1
+    first = pol.admit(make_budget(200_000))
+    assert first[0].id == long_decode.id and len(first) > 1
+
+
+def test_kv_peak_comes_just_before_a_running_request_finishes():
+    peak = KvPeak(np.array([100.0, 50.0]), np.array([10.0, 30.0]))
+    # With a third request holding 0 now and decoding 100 more: at t = 10 all three hold
+    # 110 + 60 + 10 tokens; later the first has finished.
+    assert peak.with_request(0.0, 100.0) == 180.0
+    peak.add(0.0, 100.0)
+    assert peak.with_request(0.0, 0.0) == 180.0
+
+
+def test_the_steps_left_cover_the_kv_reads_at_full_capacity():
+    reqs = [make_request(100, 3000) for _ in range(200)]
+    pol = _policy(reqs, capacity=50_000)
+    _, mem, steps = pol.remaining(0, 50_000)
+    assert steps >= mem / (50_000 * h200_8b().seconds_per_kv_token) > 3000
+
+
 def test_compute_heavy_requests_are_admitted_while_long_decodes_run():
     reqs = _mix()
-    order = _drive(_policy(reqs), reqs)
+    finished_at: dict[str, int] = {}
+    order = _drive(_policy(reqs), reqs, finished_at=finished_at)
     memory_ids = {r.id for r in reqs[30:]}
-    last_memory = max(i for i, rid in enumerate(order) if rid in memory_ids)
-    first_compute = min(i for i, rid in enumerate(order) if rid not in memory_ids)
-    assert first_compute < last_memory  # blended, not one family after the other
+    first_memory_done = min(finished_at[rid] for rid in memory_ids)
+    compute_admitted = [i for i, rid in enumerate(order) if rid not in memory_ids]
+    assert max(compute_admitted) < first_memory_done  # blended, not one family after the other
 
 
 def test_admission_never_deadlocks_when_a_request_exceeds_the_memory_share():
@@ -200,9 +251,11 @@ def test_prefill_budget_fills_compute_up_to_the_steps_memory_time():
         pol.on_progress(reqs[i].id, 4000)
     running = len(admitted)
     budget = pol.prefill_budget(make_budget(800_000, running=running, waiting=100_000))
-    # compute up to the step's memory time: its KV reads plus one read of the weights
+    # compute up to the step's memory time: its KV reads plus one read of the weights; a
+    # prefill token of the next 2990-token prompts also carries its share of their attention
     memory = pol.kv_read_tokens * cost.seconds_per_kv_token + cost.weights_read_s
-    expected = memory / cost.seconds_per_token - running
+    per_token = cost.seconds_per_token + (3000**2 - 10**2) / 2 / 2990 * cost.seconds_per_pair
+    expected = (memory - running * cost.seconds_per_token) / per_token
     assert budget is not None and abs(budget - expected) <= 128
 
 

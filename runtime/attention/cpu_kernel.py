@@ -1,0 +1,107 @@
+"""The CPU paged decode-attention kernel (paged_decode.c): built at first use, called by ctypes.
+
+Decode attention on a CPU is a memory-bound read of every running sequence's context. Gathering
+the pages into a dense copy before SDPA reads and writes that context twice more, and padding to
+the longest sequence adds more; the kernel reads each page in place instead (vLLM's CPU backend
+does the same with its own C++ kernels).
+
+The shared object is compiled with the system's C compiler (`gcc -O3 -march=native -fopenmp`)
+into `$BLENDSERVE_KERNEL_DIR` (default `~/.cache/blendserve/kernels`), keyed by the source, the
+flags, the compiler and the CPU, in under a second. OpenMP comes from the libgomp torch has
+already loaded, so the kernel and torch's ops share one thread pool. Without a compiler
+`load()` returns None and the torch backend keeps its gather + SDPA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+# Reassociation lets the dot products and sums vectorise. Not -ffast-math: linking with it sets
+# flush-to-zero for the whole process (crtfastmath), changing everyone's floating point.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros", "-shared", "-fPIC"]
+LIBS = ["-lm"]
+CHUNK_TOKENS = 256  # a longer context is split into chunks that run in parallel
+DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # dtype -> the kernel's `bf16` flag
+
+
+def kernel_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blendserve" / "kernels"
+    return Path(os.environ.get("BLENDSERVE_KERNEL_DIR", default))
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version, _cpu_id()]).encode())
+    path = kernel_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(out, path)  # atomic: concurrent builders each write a whole file
+    return path
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (logged once) when it cannot be built here."""
+    if os.environ.get("BLENDSERVE_CPU_KERNEL", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        log.warning("no C compiler: CPU decode attention falls back to gather + SDPA")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("CPU decode kernel not built (%s): falling back to gather + SDPA", detail)
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.paged_decode.argtypes = [p, i, p, p, p, i, p, i, i, i, i, ctypes.c_float, i, i, i, p, p]
+    lib.paged_decode.restype = i
+    return lib
+
+
+def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 page_size: int, table: torch.Tensor, lens: torch.Tensor, scale: float,
+                 chunk: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [S, kvh, rows, hd]; k/v_cache: one layer of the pool, [pages, page_size, kvh, hd] in any
+    contiguous view, q's dtype; table: [S, max_pages] int32; lens: [S] int32
+    -> (out [S, kvh, rows, hd], lse [S, kvh, rows] fp32, natural log)."""
+    q = q.contiguous()
+    s, kvh, rows, hd = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((s, kvh, rows), dtype=torch.float32)
+    rc = lib.paged_decode(q.data_ptr(), rows, k_cache.data_ptr(), v_cache.data_ptr(),
+                          table.data_ptr(), table.shape[1], lens.data_ptr(), s, kvh, hd,
+                          page_size, scale, chunk, DTYPES[q.dtype], torch.get_num_threads(),
+                          out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise MemoryError("paged_decode: out of memory for its work buffers")
+    return out, lse

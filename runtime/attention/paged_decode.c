@@ -1,0 +1,243 @@
+/* Decode attention that reads the paged KV pool in place (CPU).
+ *
+ * Each sequence attends `rows` query rows per KV head (the g query heads of a decode that share
+ * a KV head, or a cascade group's stacked queries) over its context, read page by page through
+ * its page table: no gathered copy of the context, no padding to the longest sequence. A work
+ * item is one chunk of one sequence with all its heads, so each token's K and V rows are read as
+ * one contiguous run. Contexts longer than `chunk` tokens are split into chunks that run in
+ * parallel (split-K, as in flash-decoding) and merged through their log-sum-exps, so a few long
+ * sequences still use every thread. Math in fp32; K/V/q/out in bf16 or fp32.
+ *
+ * Built at first use by runtime/attention/cpu_kernel.py (gcc -O3 -march=native -fopenmp) and
+ * called through ctypes, which releases the GIL. With AVX-512 and a head size that is a multiple
+ * of 16, the scores and the weighted sum of V use explicit 16-lane code (~1.2× the compiler's
+ * own vectorisation of the plain loops, which remain for other CPUs and head sizes).
+ */
+#include <math.h>
+#include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 32 /* tokens converted to fp32 and scored at once */
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
+    union { float f; uint32_t u; } v = { f };
+    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
+/* exp(x) for x <= 0 as 2^n · 2^f, 2^f by its Taylor polynomial of degree 6 (relative error
+ * < 1e-5): plain arithmetic, so that loops over it vectorise (libm's expf does not). */
+static inline float exp_nonpos(float x) {
+    float t = (x < -87.f ? -87.f : x) * 1.44269504f;
+    float n = floorf(t), f = t - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.f;
+    union { int32_t i; float f; } two_n = { ((int32_t)n + 127) << 23 };
+    return p * two_n.f;
+}
+
+static void load_row(const void *src, size_t off, int bf16, int n, float *dst, float scale) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)src + off;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]) * scale;
+    } else {
+        const float *s = (const float *)src + off;
+        for (int i = 0; i < n; i++) dst[i] = s[i] * scale;
+    }
+}
+
+static void store_row(void *dst, size_t off, int bf16, const float *src, int n, float scale) {
+    if (bf16) {
+        uint16_t *d = (uint16_t *)dst + off;
+        for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i] * scale);
+    } else {
+        float *d = (float *)dst + off;
+        for (int i = 0; i < n; i++) d[i] = src[i] * scale;
+    }
+}
+
+/* s[t] = q · k_t for the n fp32 rows of kt [n, hd]; returns max(m, max_t s[t]). */
+static float scores(const float *q, const float *kt, int n, int hd, float *s, float m) {
+    int t = 0;
+#ifdef __AVX512F__
+    if (hd % 16 == 0) {
+        for (; t + 4 <= n; t += 4) { /* four tokens at a time: four independent FMA chains */
+            const float *k = kt + (size_t)t * hd;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int d = 0; d < hd; d += 16) {
+                __m512 qv = _mm512_loadu_ps(q + d);
+                a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + d), a0);
+                a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + hd + d), a1);
+                a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 2 * hd + d), a2);
+                a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 3 * hd + d), a3);
+            }
+            s[t] = _mm512_reduce_add_ps(a0);
+            s[t + 1] = _mm512_reduce_add_ps(a1);
+            s[t + 2] = _mm512_reduce_add_ps(a2);
+            s[t + 3] = _mm512_reduce_add_ps(a3);
+        }
+    }
+#endif
+    for (; t < n; t++) {
+        const float *k = kt + (size_t)t * hd;
+        float dot = 0.f;
+        for (int d = 0; d < hd; d++) dot += q[d] * k[d];
+        s[t] = dot;
+    }
+    for (t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+    return m;
+}
+
+/* acc = acc · corr + Σ_t p[t] · v_t over the n fp32 rows of vt [n, hd]. */
+static void accumulate(float *acc, float corr, const float *p, const float *vt, int n, int hd) {
+#ifdef __AVX512F__
+    if (hd % 16 == 0) { /* 16 dims at a time: their sums stay in one register */
+        for (int d = 0; d < hd; d += 16) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(corr));
+            for (int t = 0; t < n; t++)
+                a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(vt + (size_t)t * hd + d), a);
+            _mm512_storeu_ps(acc + d, a);
+        }
+        return;
+    }
+#endif
+    for (int d = 0; d < hd; d++) acc[d] *= corr;
+    for (int t = 0; t < n; t++)
+        for (int d = 0; d < hd; d++) acc[d] += p[t] * vt[(size_t)t * hd + d];
+}
+
+/* Tokens [t_begin, t_end) of one sequence, all heads: qf [kvh * rows, hd] (row j on head
+ * j / rows) -> unnormalised acc [kvh * rows, hd], running max and sum [kvh * rows]. A block of
+ * K/V is converted to fp32 once ([kvh, BLOCK, hd]) and shared by the head's rows. */
+static void attend_chunk(const float *qf, int kvh, int rows, const void *k_cache,
+                         const void *v_cache, int bf16, const int32_t *pages, int t_begin,
+                         int t_end, int hd, int ps, float *acc, float *mx, float *sum, float *kb,
+                         float *vb) {
+    int n_rows = kvh * rows;
+    float s[BLOCK];
+    memset(acc, 0, sizeof(float) * (size_t)n_rows * hd);
+    for (int j = 0; j < n_rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
+    for (int t0 = t_begin; t0 < t_end; t0 += BLOCK) {
+        int n = t_end - t0 < BLOCK ? t_end - t0 : BLOCK;
+        for (int t = 0; t < n; t++) {
+            int pos = t0 + t;
+            size_t off = ((size_t)pages[pos / ps] * ps + pos % ps) * kvh * hd;
+            for (int h = 0; h < kvh; h++) {
+                load_row(k_cache, off + (size_t)h * hd, bf16, hd, kb + ((size_t)h * BLOCK + t) * hd, 1.f);
+                load_row(v_cache, off + (size_t)h * hd, bf16, hd, vb + ((size_t)h * BLOCK + t) * hd, 1.f);
+            }
+        }
+        for (int j = 0; j < n_rows; j++) {
+            size_t head = (size_t)(j / rows) * BLOCK * hd;
+            float m = scores(qf + (size_t)j * hd, kb + head, n, hd, s, mx[j]);
+            float corr = exp_nonpos(mx[j] - m), l = sum[j] * corr;
+            for (int t = 0; t < n; t++) {
+                s[t] = exp_nonpos(s[t] - m);
+                l += s[t];
+            }
+            accumulate(acc + (size_t)j * hd, corr, s, vb + head, n, hd);
+            mx[j] = m;
+            sum[j] = l;
+        }
+    }
+}
+
+/* q: [seqs, kvh, rows, hd]; k_cache, v_cache: [pages, ps, kvh, hd]; table: [seqs, max_pages];
+ * lens: [seqs] context lengths; out: [seqs, kvh, rows, hd] (q's dtype); lse: [seqs, kvh, rows]
+ * natural-log log-sum-exp of the scaled scores (-inf for an empty context). Returns 0, or -1 when
+ * out of memory. */
+int paged_decode(const void *q, int rows, const void *k_cache, const void *v_cache,
+                 const int32_t *table, int max_pages, const int32_t *lens, int seqs, int kvh,
+                 int hd, int ps, float scale, int chunk, int bf16, int threads, void *out,
+                 float *lse) {
+    int n_rows = kvh * rows;
+    size_t part = (size_t)n_rows * (hd + 2); /* one chunk's partial: acc, max, sum */
+    /* work items: chunks; chunks first[s] .. first[s + 1] - 1 belong to sequence s */
+    int64_t *first = malloc(sizeof(int64_t) * ((size_t)seqs + 1));
+    if (!first) return -1;
+    first[0] = 0;
+    for (int s = 0; s < seqs; s++)
+        first[s + 1] = first[s] + (lens[s] > chunk ? (lens[s] + chunk - 1) / chunk : 1);
+    int64_t n_items = first[seqs];
+    float *parts = NULL; /* partials of split sequences, merged afterwards */
+    if (n_items > seqs && !(parts = malloc(sizeof(float) * part * (size_t)n_items))) {
+        free(first);
+        return -1;
+    }
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *qf = malloc(sizeof(float) * (size_t)n_rows * hd);
+        float *acc = malloc(sizeof(float) * part);
+        float *kb = malloc(sizeof(float) * BLOCK * (size_t)kvh * hd);
+        float *vb = malloc(sizeof(float) * BLOCK * (size_t)kvh * hd);
+        if (!qf || !acc || !kb || !vb) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp barrier
+        int s = 0;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < n_items; c++) {
+            if (failed) continue;
+            while (first[s + 1] <= c) s++; /* a thread's items ascend: s only moves forward */
+            while (first[s] > c) s--;
+            int t_begin = (int)(c - first[s]) * chunk;
+            int t_end = t_begin + chunk < lens[s] ? t_begin + chunk : lens[s];
+            float *mx = acc + (size_t)n_rows * hd, *sum = mx + n_rows;
+            load_row(q, (size_t)s * n_rows * hd, bf16, n_rows * hd, qf, scale);
+            attend_chunk(qf, kvh, rows, k_cache, v_cache, bf16, table + (size_t)s * max_pages,
+                         t_begin, t_end, hd, ps, acc, mx, sum, kb, vb);
+            if (first[s + 1] - first[s] > 1) {
+                memcpy(parts + (size_t)c * part, acc, sizeof(float) * part);
+                continue;
+            }
+            for (int j = 0; j < n_rows; j++) {
+                store_row(out, ((size_t)s * n_rows + j) * hd, bf16, acc + (size_t)j * hd, hd,
+                          sum[j] > 0.f ? 1.f / sum[j] : 0.f);
+                lse[(size_t)s * n_rows + j] = sum[j] > 0.f ? mx[j] + logf(sum[j]) : -INFINITY;
+            }
+        }
+        if (parts && !failed) {
+            #pragma omp for schedule(dynamic, 1)
+            for (int ss = 0; ss < seqs; ss++) {
+                if (first[ss + 1] - first[ss] < 2) continue;
+                for (int j = 0; j < n_rows; j++) {
+                    float m = -INFINITY, l = 0.f;
+                    for (int64_t c = first[ss]; c < first[ss + 1]; c++) {
+                        float pm = parts[(size_t)c * part + (size_t)n_rows * hd + j];
+                        m = pm > m ? pm : m;
+                    }
+                    memset(acc, 0, sizeof(float) * hd);
+                    for (int64_t c = first[ss]; c < first[ss + 1]; c++) {
+                        const float *p = parts + (size_t)c * part;
+                        float pm = p[(size_t)n_rows * hd + j], psum = p[(size_t)n_rows * (hd + 1) + j];
+                        if (psum <= 0.f) continue;
+                        float w = expf(pm - m);
+                        l += psum * w;
+                        for (int d = 0; d < hd; d++) acc[d] += w * p[(size_t)j * hd + d];
+                    }
+                    store_row(out, ((size_t)ss * n_rows + j) * hd, bf16, acc, hd, l > 0.f ? 1.f / l : 0.f);
+                    lse[(size_t)ss * n_rows + j] = l > 0.f ? m + logf(l) : -INFINITY;
+                }
+            }
+        }
+        free(qf); free(acc); free(kb); free(vb);
+    }
+    free(parts);
+    free(first);
+    return failed ? -1 : 0;
+}
