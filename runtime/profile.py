@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 3  # 2: real steps of a representative run in the fit; 3: attention kind
+PROFILE_VERSION = 4  # 2: real steps of a representative run in the fit; 3: attention kind;
+# 4: what the measurement covered (a small engine's profile no longer serves a full one)
+FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
 
 
@@ -175,13 +177,11 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
     """Profile `engine` on its device; returns the profile JSON (see module docstring)."""
     started = time.perf_counter()
     device = engine.model.device
-    scale = 1 if device.type == "cpu" else 8
-    shapes = [Sample.of(q, k, time_step(engine, q, k, reps))
-              for q, k in step_shapes(engine.kv_capacity_tokens, scale)]
+    shapes = [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in _shapes(engine)]
     # The real steps of a representative run join the fit: what a step costs beyond the forward
     # (sampling, scheduling, stop checks, cache bookkeeping) and how long chunks really scale.
-    list(engine.generate(calibration_requests(engine.vocab_size, engine.max_model_len),
-                         policy="fcfs"))
+    calibration = calibration_requests(engine.vocab_size, engine.max_model_len)
+    list(engine.generate(calibration, policy="fcfs"))
     steps = [Sample.from_record(r) for r in engine.step_log]
     coef, fit_error = fit(shapes + steps)
     run_error = float(np.mean([abs(predict(coef, s) - s.seconds) / s.seconds for s in steps]))
@@ -207,12 +207,32 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         "kv_capacity_bytes": engine.kv_capacity_tokens * kv_bytes,
         "batch_multiple": 1 if device.type == "cpu" else 128,
         "model_config": cfg.to_hf(dtype),
-        "fit": {"shapes": len(shapes), "mean_abs_rel_error": fit_error,
+        "fit": {"shapes": len(shapes), "longest_prompt": _longest_prompt(engine),
+                "step_tokens": engine.config.max_batch_tokens, "mean_abs_rel_error": fit_error,
                 "calibration_steps": len(steps), "calibration_mean_abs_rel_error": run_error,
                 "calibration_total_error": run_total},
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": time.perf_counter() - started,
     }
+
+
+def _shapes(engine: Engine) -> list[tuple[list[int], list[int]]]:
+    return step_shapes(engine.kv_capacity_tokens, 1 if engine.model.device.type == "cpu" else 8)
+
+
+def _longest_prompt(engine: Engine) -> int:
+    return max(len(r.prompt_token_ids)
+               for r in calibration_requests(engine.vocab_size, engine.max_model_len))
+
+
+def covers(profile: dict[str, Any], engine: Engine) -> bool:
+    """Whether a cached profile measured at least what `engine` would: as many step shapes, as
+    long calibration prompts and as large steps. An engine with a small KV pool, context or step
+    cap (a test's) measures a few small shapes; its profile must not stand in for a full one."""
+    fit = profile.get("fit", {})
+    return (fit.get("shapes", 0) >= len(_shapes(engine))
+            and fit.get("longest_prompt", 0) >= _longest_prompt(engine)
+            and fit.get("step_tokens", 0) >= min(engine.config.max_batch_tokens, FULL_STEP_TOKENS))
 
 
 def _params(cfg: Any) -> int:
@@ -261,7 +281,8 @@ def load_or_measure(engine: Engine, data_dir: Path) -> tuple[dict[str, Any], Pat
     path = cached_profile_path(data_dir, engine)
     try:
         profile = json.loads(path.read_text())
-        if profile.get("version") == PROFILE_VERSION and profile.get("model") == engine.model_name:
+        if (profile.get("version") == PROFILE_VERSION and profile.get("model") == engine.model_name
+                and covers(profile, engine)):
             cost_model_from_profile(profile)  # still readable
             return profile, path, False
     except (OSError, ValueError, KeyError, TypeError):

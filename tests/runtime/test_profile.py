@@ -11,6 +11,7 @@ from runtime.profile import (
     Sample,
     cached_profile_path,
     cost_model_from_profile,
+    covers,
     fit,
     load_or_measure,
     measure,
@@ -19,7 +20,7 @@ from runtime.profile import (
     write_profile,
 )
 from scheduler.cost_model import HardwareProfile
-from tests.runtime.test_engine import make_engine
+from tests.runtime.test_engine import make_engine, tiny_model
 
 TRUE = {"step_fixed_s": 0.05, "s_per_token": 2e-3, "s_per_row": 1e-3, "s_per_pair": 5e-7,
         "s_per_kv_token": 1e-5}
@@ -75,3 +76,19 @@ def test_the_profile_is_measured_once_and_cached_by_model_device_dtype_threads(
     assert path.name.startswith("tiny-cpu-float32-t")
     again, path2, fresh2 = load_or_measure(engine, tmp_path)
     assert not fresh2 and path2 == path and again == first
+
+
+def test_a_small_engines_cached_profile_does_not_stand_in_for_a_full_one(tmp_path: Path) -> None:
+    """A test-sized engine (small KV pool, small steps) measures a few small shapes; a full
+    engine of the same model, device, dtype and threads measures its own and replaces it, and
+    that profile then serves the small engine too."""
+    model = tiny_model()
+    small = make_engine(model, pages=64, max_batch_tokens=64)
+    full = make_engine(model, pages=4096, max_batch_tokens=512)
+    first, path, fresh = load_or_measure(small, tmp_path)
+    assert fresh and first["fit"]["shapes"] < len(step_shapes(full.kv_capacity_tokens))
+    assert covers(first, small) and not covers(first, full)
+    second, path2, fresh2 = load_or_measure(full, tmp_path)
+    assert fresh2 and path2 == path and second["fit"]["shapes"] > first["fit"]["shapes"]
+    again, _, fresh3 = load_or_measure(small, tmp_path)
+    assert not fresh3 and again == second
