@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from runtime.attention import AttentionBatch
+from runtime.attention import AttentionBatch, cpu_kernel
 from runtime.types import EngineRequest, SamplingParams, StepRecord
 
 if TYPE_CHECKING:
@@ -200,6 +200,7 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         # the torch backend attends a prefix its decodes share once per step, on the CPU
         "cascade": device.type == "cpu" and engine.attn.name == "torch",
         "attention": attention_kind(engine),
+        "kernel": _kernel_id(engine),  # a rebuilt kernel (new source or flags) is measured anew
         "step_model": coef,
         # Datasheet-style equivalents, for readers and older tools.
         "flops": 2.0 * _params(cfg) / coef["s_per_token"],
@@ -227,10 +228,12 @@ def _longest_prompt(engine: Engine) -> int:
 
 def covers(profile: dict[str, Any], engine: Engine) -> bool:
     """Whether a cached profile measured at least what `engine` would: as many step shapes, as
-    long calibration prompts and as large steps. An engine with a small KV pool, context or step
-    cap (a test's) measures a few small shapes; its profile must not stand in for a full one."""
+    long calibration prompts and as large steps, with the same CPU kernel build. An engine with a
+    small KV pool, context or step cap (a test's) measures a few small shapes; its profile must
+    not stand in for a full one."""
     fit = profile.get("fit", {})
-    return (fit.get("shapes", 0) >= len(_shapes(engine))
+    return (profile.get("kernel") == _kernel_id(engine)
+            and fit.get("shapes", 0) >= len(_shapes(engine))
             and fit.get("longest_prompt", 0) >= _longest_prompt(engine)
             and fit.get("step_tokens", 0) >= min(engine.config.max_batch_tokens, FULL_STEP_TOKENS))
 
@@ -243,10 +246,19 @@ def _params(cfg: Any) -> int:
 
 def attention_kind(engine: Engine) -> str:
     """The attention path the steps take: `flashinfer`, `torch-paged` (the CPU kernel reads
-    pages in place) or `torch-gather`; a profile holds for one of them."""
-    if engine.attn.name != "torch":
-        return engine.attn.name
-    return "torch-paged" if getattr(engine.attn, "decode_kernel", None) is not None else "torch-gather"
+    pages in place for decodes and prefill chunks), `torch-paged-decode` (for decodes only) or
+    `torch-gather`; a profile holds for one of them."""
+    attn = engine.attn
+    if attn.name != "torch":
+        return attn.name
+    if getattr(attn, "decode_kernel", None) is None:
+        return "torch-gather"
+    return "torch-paged" if getattr(attn, "prefill_kernel", False) else "torch-paged-decode"
+
+
+def _kernel_id(engine: Engine) -> str | None:
+    """The CPU kernel's build (source, flags, compiler, CPU) when the steps run it."""
+    return cpu_kernel.build_id() if attention_kind(engine).startswith("torch-paged") else None
 
 
 def cached_profile_path(data_dir: Path, engine: Engine) -> Path:

@@ -16,6 +16,11 @@
  *   long dependency chain is split in four (~1.4× the AVX-512 path on a 2-core EPYC);
  * - AVX-512 and a head size that is a multiple of 16: explicit 16-lane scores and V sums;
  * - otherwise the plain loops, vectorised by the compiler.
+ *
+ * paged_prefill (bf16 + AVX512-BF16 only) attends prefill chunks causally with the same tile
+ * code: a work item is a block of a chunk's query tokens on one KV head, whose rows share every
+ * K/V tile; each row stops at its own position, and tiles past a block's last token are never
+ * read (~2× the masked SDPA, which computes the masked half too).
  */
 #include <math.h>
 #include <stdint.h>
@@ -240,65 +245,82 @@ static inline void pv_accumulate(float *acc, float corr, const float *p, const f
     }
 }
 
-/* attend_chunk for bf16 with hd a multiple of 32 on a CPU with AVX512-BF16. Tiles of 16
- * tokens, one per lane: each head's K tile is transposed to [hd/2 pairs][16 tokens], so a
- * query row's 16 scores come from hd/2 bf16 pair dot products (vdpbf16ps, exact products, fp32
- * sums) with no horizontal sums; V is widened to fp32 once per tile and shared by the head's
- * rows. q: bf16 [kvh * rows, hd], unscaled; kt: [hd/2][TILE] uint32; vb: [TILE, hd] fp32. */
+/* One KV head's attention for bf16 with hd a multiple of 32 on a CPU with AVX512-BF16: query
+ * rows q [rows, hd] (unscaled) over the keys [t_begin, t_end) of one sequence, row j stopping at
+ * row_end[j] (exclusive; NULL: all at t_end), into unnormalised acc [rows, hd], running max and
+ * sum [rows]. Tiles of 16 tokens, one per lane: the head's K tile is transposed to [hd/2 pairs]
+ * [16 tokens], so a row's 16 scores are bf16 pair dot products (vdpbf16ps: exact products, fp32
+ * sums) with no horizontal sums; V is widened to fp32 once per tile and shared by every row.
+ * kt: [hd/2][TILE] uint32 scratch; vb: [TILE, hd] fp32 scratch. */
+static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, float scale, int h,
+                             int kvh, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int32_t *pages, int t_begin, int t_end, int hd, int ps,
+                             float *acc, float *mx, float *sum, uint32_t *kt, float *vb) {
+    int pairs = hd / 2;
+    float p[TILE];
+    size_t off[TILE];
+    memset(acc, 0, sizeof(float) * (size_t)rows * hd);
+    for (int j = 0; j < rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    int page = t_begin / ps, slot = t_begin % ps;
+    for (int t0 = t_begin; t0 < t_end; t0 += TILE) {
+        int n = t_end - t0 < TILE ? t_end - t0 : TILE;
+        for (int t = 0; t < n; t++) { /* consecutive positions: walk the page table */
+            off[t] = (((size_t)pages[page] * ps + slot) * kvh + h) * hd;
+            if (++slot == ps) { slot = 0; page++; }
+        }
+        for (int c = 0; c < pairs; c += 16) { /* K pairs c..c+15 of the tile's tokens */
+            __m512i r[16];
+            for (int t = 0; t < TILE; t++)
+                r[t] = t < n ? _mm512_loadu_si512(k_cache + off[t] + 2 * c) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (size_t)(c + i) * TILE, r[i]);
+        }
+        for (int t = 0; t < n; t++) {
+            const uint16_t *v = v_cache + off[t];
+            for (int d = 0; d < hd; d += 16) {
+                __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + d)));
+                _mm512_storeu_ps(vb + (size_t)t * hd + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+            }
+        }
+        for (int j = 0; j < rows; j++) {
+            int nj = n;
+            if (row_end) {
+                if (row_end[j] <= t0) continue;
+                nj = row_end[j] - t0 < n ? row_end[j] - t0 : n;
+            }
+            __mmask16 valid = (__mmask16)((1u << nj) - 1);
+            const uint32_t *qj = (const uint32_t *)(q + (size_t)j * hd);
+            __m512 s4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                            _mm512_setzero_ps()}; /* four chains: dpbf16's latency hidden */
+            for (int i = 0; i < pairs; i += 4)
+                for (int u = 0; u < 4; u++)
+                    s4[u] = _mm512_dpbf16_ps(s4[u], (__m512bh)_mm512_set1_epi32((int)qj[i + u]),
+                                             (__m512bh)_mm512_loadu_si512(kt + (size_t)(i + u) * TILE));
+            __m512 sc = _mm512_add_ps(_mm512_add_ps(s4[0], s4[1]), _mm512_add_ps(s4[2], s4[3]));
+            sc = _mm512_mask_blend_ps(valid, ninf, _mm512_mul_ps(sc, vscale));
+            float m = _mm512_reduce_max_ps(sc);
+            m = m > mx[j] ? m : mx[j];
+            float corr = expf(mx[j] - m); /* mx[j] = -inf at the first tile: 0 */
+            __m512 e = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+            sum[j] = sum[j] * corr + _mm512_reduce_add_ps(e);
+            mx[j] = m;
+            _mm512_storeu_ps(p, e);
+            pv_accumulate(acc + (size_t)j * hd, corr, p, vb, nj, hd);
+        }
+    }
+}
+
+/* attend_chunk for bf16 (see attend_head_bf16): every head of one sequence, all rows to t_end;
+ * q: bf16 [kvh * rows, hd], unscaled. */
 static void attend_chunk_bf16(const uint16_t *q, float scale, int kvh, int rows,
                               const uint16_t *k_cache, const uint16_t *v_cache,
                               const int32_t *pages, int t_begin, int t_end, int hd, int ps,
                               float *acc, float *mx, float *sum, uint32_t *kt, float *vb) {
-    int n_rows = kvh * rows, pairs = hd / 2;
-    float p[TILE];
-    size_t off[TILE];
-    memset(acc, 0, sizeof(float) * (size_t)n_rows * hd);
-    for (int j = 0; j < n_rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
-    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    for (int t0 = t_begin; t0 < t_end; t0 += TILE) {
-        int n = t_end - t0 < TILE ? t_end - t0 : TILE;
-        __mmask16 valid = (__mmask16)((1u << n) - 1);
-        for (int t = 0; t < n; t++) {
-            int pos = t0 + t;
-            off[t] = ((size_t)pages[pos / ps] * ps + pos % ps) * kvh * hd;
-        }
-        for (int h = 0; h < kvh; h++) {
-            for (int c = 0; c < pairs; c += 16) { /* K pairs c..c+15 of the tile's tokens */
-                __m512i r[16];
-                for (int t = 0; t < TILE; t++)
-                    r[t] = t < n ? _mm512_loadu_si512(k_cache + off[t] + (size_t)h * hd + 2 * c)
-                                 : _mm512_setzero_si512();
-                transpose16(r);
-                for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (size_t)(c + i) * TILE, r[i]);
-            }
-            for (int t = 0; t < n; t++) {
-                const uint16_t *v = v_cache + off[t] + (size_t)h * hd;
-                for (int d = 0; d < hd; d += 16) {
-                    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + d)));
-                    _mm512_storeu_ps(vb + (size_t)t * hd + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-                }
-            }
-            for (int j = h * rows; j < (h + 1) * rows; j++) {
-                const uint32_t *qj = (const uint32_t *)(q + (size_t)j * hd);
-                __m512 s4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                                _mm512_setzero_ps()}; /* four chains: dpbf16's latency hidden */
-                for (int i = 0; i < pairs; i += 4)
-                    for (int u = 0; u < 4; u++)
-                        s4[u] = _mm512_dpbf16_ps(s4[u], (__m512bh)_mm512_set1_epi32((int)qj[i + u]),
-                                                 (__m512bh)_mm512_loadu_si512(kt + (size_t)(i + u) * TILE));
-                __m512 sc = _mm512_add_ps(_mm512_add_ps(s4[0], s4[1]), _mm512_add_ps(s4[2], s4[3]));
-                sc = _mm512_mask_blend_ps(valid, ninf, _mm512_mul_ps(sc, vscale));
-                float m = _mm512_reduce_max_ps(sc);
-                m = m > mx[j] ? m : mx[j];
-                float corr = expf(mx[j] - m); /* mx[j] = -inf at the first tile: 0 */
-                __m512 e = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
-                sum[j] = sum[j] * corr + _mm512_reduce_add_ps(e);
-                mx[j] = m;
-                _mm512_storeu_ps(p, e);
-                pv_accumulate(acc + (size_t)j * hd, corr, p, vb, n, hd);
-            }
-        }
-    }
+    for (int h = 0; h < kvh; h++)
+        attend_head_bf16(q + (size_t)h * rows * hd, rows, NULL, scale, h, kvh, k_cache, v_cache,
+                         pages, t_begin, t_end, hd, ps, acc + (size_t)h * rows * hd,
+                         mx + h * rows, sum + h * rows, kt, vb);
 }
 #endif
 
@@ -396,4 +418,89 @@ int paged_decode(const void *q, int rows, const void *k_cache, const void *v_cac
     free(parts);
     free(first);
     return failed ? -1 : 0;
+}
+
+/* Prefill attention over the paged pool, causal, for bf16 with hd a multiple of 32 on a CPU
+ * with AVX512-BF16 (paged_prefill_supported). q: [T, kvh, g, hd], the T tokens of `seqs` chunks
+ * one after another (chunk s is tokens q_start[s] .. q_start[s + 1] - 1); chunk s's token i
+ * sits at position kv_lens[s] - q_len + i and attends to the keys at positions 0 .. its own,
+ * read through table[s] (its K/V are already in the pool). out: [T, kvh, g, hd] bf16. A work
+ * item is a block of QBLOCK tokens of one chunk on one KV head: its QBLOCK × g query rows share
+ * every K/V tile they read (flash attention's outer loop over query blocks). Returns 0, -1 when
+ * out of memory, -2 when not supported here. */
+#define QBLOCK 32
+
+int paged_prefill_supported(int bf16, int hd) {
+#ifdef __AVX512BF16__
+    return bf16 && hd % 32 == 0;
+#else
+    (void)bf16; (void)hd;
+    return 0;
+#endif
+}
+
+int paged_prefill(const void *q, const int32_t *q_start, const int32_t *kv_lens, int seqs,
+                  const void *k_cache, const void *v_cache, const int32_t *table, int max_pages,
+                  int kvh, int g, int hd, int ps, float scale, int threads, void *out) {
+#ifdef __AVX512BF16__
+    if (hd % 32 != 0) return -2;
+    int64_t *first = malloc(sizeof(int64_t) * ((size_t)seqs + 1)); /* items of chunk s */
+    if (!first) return -1;
+    first[0] = 0;
+    for (int s = 0; s < seqs; s++) {
+        int q_len = q_start[s + 1] - q_start[s];
+        first[s + 1] = first[s] + (int64_t)kvh * ((q_len + QBLOCK - 1) / QBLOCK);
+    }
+    int64_t n_items = first[seqs];
+    int rows = QBLOCK * g, failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        uint16_t *qs = malloc(sizeof(uint16_t) * (size_t)rows * hd);
+        float *acc = malloc(sizeof(float) * (size_t)rows * (hd + 2));
+        uint32_t *kt = malloc(sizeof(uint32_t) * (size_t)(hd / 2) * TILE);
+        float *vb = malloc(sizeof(float) * (size_t)TILE * hd);
+        int *row_end = malloc(sizeof(int) * (size_t)rows);
+        if (!qs || !acc || !kt || !vb || !row_end) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp barrier
+        /* later items of a chunk read more keys: hand them out first (dynamic, reversed) */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = n_items - 1; it >= 0; it--) {
+            if (failed) continue;
+            int s = 0;
+            while (first[s + 1] <= it) s++;
+            int64_t k = it - first[s];
+            int h = (int)(k % kvh), b = (int)(k / kvh);
+            int q_len = q_start[s + 1] - q_start[s];
+            int base = kv_lens[s] - q_len; /* position of the chunk's first token */
+            int t_lo = b * QBLOCK, t_hi = t_lo + QBLOCK < q_len ? t_lo + QBLOCK : q_len;
+            int n_rows = (t_hi - t_lo) * g;
+            for (int i = t_lo; i < t_hi; i++) {
+                const uint16_t *src = (const uint16_t *)q
+                    + (((size_t)(q_start[s] + i) * kvh + h) * g) * hd;
+                memcpy(qs + (size_t)(i - t_lo) * g * hd, src, sizeof(uint16_t) * (size_t)g * hd);
+                for (int j = 0; j < g; j++) row_end[(i - t_lo) * g + j] = base + i + 1;
+            }
+            float *mx = acc + (size_t)rows * hd, *sum = mx + rows;
+            attend_head_bf16(qs, n_rows, row_end, scale, h, kvh, (const uint16_t *)k_cache,
+                             (const uint16_t *)v_cache, table + (size_t)s * max_pages, 0,
+                             base + t_hi, hd, ps, acc, mx, sum, kt, vb);
+            for (int r = 0; r < n_rows; r++) {
+                int i = t_lo + r / g, j = r % g;
+                store_row(out, (((size_t)(q_start[s] + i) * kvh + h) * g + j) * hd, 1,
+                          acc + (size_t)r * hd, hd, sum[r] > 0.f ? 1.f / sum[r] : 0.f);
+            }
+        }
+        free(qs); free(acc); free(kt); free(vb); free(row_end);
+    }
+    free(first);
+    return failed ? -1 : 0;
+#else
+    (void)q; (void)q_start; (void)kv_lens; (void)seqs; (void)k_cache; (void)v_cache;
+    (void)table; (void)max_pages; (void)kvh; (void)g; (void)hd; (void)ps; (void)scale;
+    (void)threads; (void)out;
+    return -2;
+#endif
 }

@@ -1,10 +1,12 @@
-"""The `torch` backend: decodes read the paged pool in place (CPU kernel), prefill chunks gather
-their pages for the CPU/CUDA flash SDPA kernel.
+"""The `torch` backend: the CPU kernel reads the paged pool in place, else pages are gathered
+for the CPU/CUDA flash SDPA kernel.
 
 On a CPU with a C compiler, decode attention runs in `paged_decode.c` (see cpu_kernel.py): each
-sequence's pages are read where they lie, with no gathered copy and no padding. Without it (no
-compiler, CUDA without flashinfer) decodes take the gather + SDPA path below, in buckets of
-similar length.
+sequence's pages are read where they lie, with no gathered copy and no padding. With bf16 on a
+CPU with AVX512-BF16, prefill chunks run there too (`paged_prefill`: causal, a chunk's tiles of
+keys skipped past each query's position, ~2× the masked SDPA below, which computes the masked
+half too). Without it (no compiler, fp32 prefill, CUDA without flashinfer) attention takes the
+gather + SDPA path below.
 
 Decodes (one query each) and prefill chunks are padded apart so a 512-token chunk does not pad
 every decode row to 512 queries; prefill chunks are padded in buckets of similar size, so a
@@ -56,6 +58,15 @@ def prefill_buckets(q_lens: Sequence[int], kv_lens: Sequence[int]) -> list[list[
     return [sorted(b) for b in buckets]
 
 
+def _paged_prefill(q_lens: Sequence[int], kv_lens: Sequence[int],
+                   tables: Sequence[Sequence[int]]) -> _PagedPrefill:
+    max_pages = max(len(p) for p in tables)
+    table = torch.tensor([list(p) + [0] * (max_pages - len(p)) for p in tables], dtype=torch.int32)
+    q_start = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    q_start[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+    return _PagedPrefill(table, q_start, torch.tensor(kv_lens, dtype=torch.int32))
+
+
 @dataclass(frozen=True, slots=True)
 class _Dense:
     """S sequences, each attending to its own pages; queries padded to max_q."""
@@ -81,6 +92,15 @@ class _Paged:
 
 
 @dataclass(frozen=True, slots=True)
+class _PagedPrefill:
+    """Prefill chunks the CPU kernel attends in place, causal, one after another in q."""
+
+    table: torch.Tensor  # [S, max_pages] int32
+    q_start: torch.Tensor  # [S + 1] int32: chunk s is q rows q_start[s] .. q_start[s + 1] - 1
+    kv_lens: torch.Tensor  # [S] int32: context length with the chunk
+
+
+@dataclass(frozen=True, slots=True)
 class _Shared:
     """Groups of decodes sharing leading pages: the prefix part of cascade attention."""
 
@@ -99,8 +119,9 @@ class TorchPlan:
     # contexts are not padded to the longest; index = decodes in the bucket (None: all, in order)
     decode: tuple[tuple[torch.Tensor | None, _Dense | _Paged], ...]
     shared: _Shared | None
-    # prefill chunks in buckets of similar size; index = token rows of q[num_decode:] (None: all)
-    prefill: tuple[tuple[torch.Tensor | None, _Dense], ...]
+    # prefill chunks: read in place by the CPU kernel, or in buckets of similar size for padded
+    # SDPA; index = token rows of q[num_decode:] (None: all)
+    prefill: _PagedPrefill | tuple[tuple[torch.Tensor | None, _Dense], ...]
     kv_read: int  # KV tokens the decodes read: own pages, plus each shared group's pages once
 
 
@@ -125,6 +146,9 @@ class TorchAttention(AttentionBackend):
         super().__init__(pool, num_heads=num_heads, scale=scale)
         on_cpu = pool.data.device.type == "cpu" and pool.data.dtype in cpu_kernel.DTYPES
         self.decode_kernel = cpu_kernel.load() if on_cpu else None  # decodes read pages in place
+        # prefill chunks too, where the kernel's bf16 path runs (else gather + masked SDPA)
+        self.prefill_kernel = self.decode_kernel is not None and cpu_kernel.prefill_supported(
+            self.decode_kernel, pool.data.dtype, pool.head_dim)
 
     def _decode_seqs(self, kv_lens: Sequence[int], tables: Sequence[Sequence[int]]) -> _Dense | _Paged:
         """Sequences whose query rows all follow their keys: for the kernel, or padded + masked."""
@@ -226,8 +250,11 @@ class TorchAttention(AttentionBackend):
                 idx = order[b * nd // nb : (b + 1) * nd // nb]
                 d = self._decode_seqs([own_lens[i] for i in idx], [own_tables[i] for i in idx])
                 decode.append((torch.tensor(idx, device=self.pool.data.device) if nb > 1 else None, d))
+        in_place: _PagedPrefill | None = None
         prefill: list[tuple[torch.Tensor | None, _Dense]] = []
-        if nd < len(batch.q_lens):
+        if nd < len(batch.q_lens) and self.prefill_kernel:
+            in_place = _paged_prefill(batch.q_lens[nd:], batch.kv_lens[nd:], batch.page_tables[nd:])
+        elif nd < len(batch.q_lens):
             pq, pk, pt = batch.q_lens[nd:], batch.kv_lens[nd:], batch.page_tables[nd:]
             buckets = prefill_buckets(pq, pk)
             starts = [0]
@@ -244,7 +271,7 @@ class TorchAttention(AttentionBackend):
         if shared_plan is not None:
             groups = {(batch.page_tables[i][0], n) for i, n in enumerate(shared) if n}
             kv_read -= sum(n for n in shared) * ps - sum(n for _, n in groups) * ps
-        return TorchPlan(slots, nd, tuple(decode), shared_plan, tuple(prefill), kv_read)
+        return TorchPlan(slots, nd, tuple(decode), shared_plan, in_place or tuple(prefill), kv_read)
 
     def _attend(self, q: torch.Tensor, d: _Dense | _Paged, k_flat: torch.Tensor,
                 v_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -301,7 +328,14 @@ class TorchAttention(AttentionBackend):
             if plan.shared is not None and lse is not None:
                 o = self._merge_shared(qd, o, lse, plan.shared, k_flat, v_flat)
             outs.append(o.reshape(nd, -1))
-        if plan.prefill:
+        if isinstance(plan.prefill, _PagedPrefill):
+            # 3. prefill chunks, read in place by the CPU kernel (causal, no padding, no gather)
+            pp = plan.prefill
+            assert self.decode_kernel is not None  # planned only with the kernel loaded
+            outs.append(cpu_kernel.paged_prefill(self.decode_kernel, q[nd:], k_cache, v_cache,
+                                                 pool.page_size, pp.table, pp.q_start, pp.kv_lens,
+                                                 self.scale, kvh))
+        elif plan.prefill:
             # 3. prefill chunks: by bucket, padded to the bucket's longest, lower-right causal mask
             qp = q[nd:]  # [Tp, H, hd]
             rows, d = plan.prefill[0]

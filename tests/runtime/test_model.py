@@ -171,3 +171,36 @@ def test_loading_the_decode_kernel_keeps_subnormal_floats() -> None:
     assert cpu_kernel.load() is not None, "the CPU decode kernel did not build here"
     tiny = torch.tensor(1e-40, dtype=torch.float32)  # subnormal in fp32
     assert (tiny * 1.0).item() > 0.0
+
+
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_in_place_prefill_kernel_equals_gathered_masked_sdpa(head_dim: int) -> None:
+    """Chunks beside decodes: fresh prompts, chunks over a cached prefix, one-token chunks,
+    lengths on and off the 16-token tiles and the 32-token query blocks; pages scattered."""
+    ps, heads, kv_heads = 16, 6, 2
+    pool = PagedKVPool(num_layers=1, num_pages=512, page_size=ps, kv_heads=kv_heads,
+                       head_dim=head_dim, dtype=torch.bfloat16)
+    attn = make_backend("torch", pool, num_heads=heads, scale=head_dim**-0.5)
+    if not attn.prefill_kernel:
+        pytest.skip("the prefill kernel needs bf16 and AVX512-BF16 (this CPU has no such path)")
+    gen = torch.Generator().manual_seed(6)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    spec = [(1, 70), (1, 129), (37, 37), (100, 600), (1, 1), (5, 300), (32, 32), (300, 333), (1, 50)]
+    free = torch.randperm(512, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-kl // ps))] for _, kl in spec]
+    batch = AttentionBatch(q_lens=[q for q, _ in spec], kv_lens=[kl for _, kl in spec],
+                           page_tables=tables, num_decode=2)
+    tokens = sum(q for q, _ in spec)
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(torch.bfloat16)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    in_place = attn.forward(0, q, k, v, attn.plan(batch))
+    attn.prefill_kernel = False
+    gathered = attn.forward(0, q, k, v, attn.plan(batch))
+    torch.testing.assert_close(in_place.float(), gathered.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_an_fp32_pool_keeps_masked_sdpa_for_prefill() -> None:
+    pool = PagedKVPool(num_layers=1, num_pages=8, page_size=16, kv_heads=2, head_dim=64,
+                       dtype=torch.float32)
+    assert not make_backend("torch", pool, num_heads=6, scale=0.125).prefill_kernel
