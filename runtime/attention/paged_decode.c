@@ -12,8 +12,9 @@
  * called through ctypes, which releases the GIL. Three paths, fastest first:
  * - bf16 on a CPU with AVX512-BF16 and a head size that is a multiple of 32
  *   (attend_chunk_bf16): tiles of 16 tokens, one per lane; K is transposed in registers so a
- *   row's 16 scores are bf16 pair dot products (vdpbf16ps) with no horizontal sums, and every
- *   long dependency chain is split in four (~1.4× the AVX-512 path on a 2-core EPYC);
+ *   row's 16 scores are bf16 pair dot products (vdpbf16ps) with no horizontal sums, P·V is
+ *   vdpbf16ps over token pairs, and every long dependency chain is split in four (~1.5× the
+ *   AVX-512 path on a 2-core EPYC);
  * - AVX-512 and a head size that is a multiple of 16: explicit 16-lane scores and V sums;
  * - otherwise the plain loops, vectorised by the compiler.
  *
@@ -207,10 +208,11 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
-/* acc = acc · corr + Σ_t p[t] · v_t (vt: [n, hd] fp32, hd a multiple of 32), 64 or 32 dims
- * at a time so that 4 or 2 independent FMA chains run together. */
-static inline void pv_accumulate(float *acc, float corr, const float *p, const float *vt, int n,
-                                 int hd) {
+/* acc = acc · corr + Σ_k (p_2k v_2k + p_2k+1 v_2k+1) over `npairs` token pairs: pp[k] holds
+ * (p_2k, p_2k+1) in bf16, vi [npairs][hd][2] the two tokens' V interleaved; hd a multiple of 32,
+ * 64 or 32 dims at a time (independent vdpbf16ps chains). */
+static inline void pv_accumulate_bf16(float *acc, float corr, const uint32_t *pp,
+                                      const uint16_t *vi, int npairs, int hd) {
     const __m512 c = _mm512_set1_ps(corr);
     int d = 0;
     for (; d + 64 <= hd; d += 64) {
@@ -218,13 +220,13 @@ static inline void pv_accumulate(float *acc, float corr, const float *p, const f
         __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 16), c);
         __m512 x2 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 32), c);
         __m512 x3 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 48), c);
-        for (int t = 0; t < n; t++) {
-            const float *v = vt + (size_t)t * hd + d;
-            __m512 w = _mm512_set1_ps(p[t]);
-            x0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), x0);
-            x1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), x1);
-            x2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), x2);
-            x3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), x3);
+        for (int k = 0; k < npairs; k++) {
+            const uint16_t *v = vi + ((size_t)k * hd + d) * 2;
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[k]);
+            x0 = _mm512_dpbf16_ps(x0, w, (__m512bh)_mm512_loadu_si512(v));
+            x1 = _mm512_dpbf16_ps(x1, w, (__m512bh)_mm512_loadu_si512(v + 32));
+            x2 = _mm512_dpbf16_ps(x2, w, (__m512bh)_mm512_loadu_si512(v + 64));
+            x3 = _mm512_dpbf16_ps(x3, w, (__m512bh)_mm512_loadu_si512(v + 96));
         }
         _mm512_storeu_ps(acc + d, x0);
         _mm512_storeu_ps(acc + d + 16, x1);
@@ -234,11 +236,11 @@ static inline void pv_accumulate(float *acc, float corr, const float *p, const f
     if (d < hd) { /* hd % 64 == 32 */
         __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(acc + d), c);
         __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 16), c);
-        for (int t = 0; t < n; t++) {
-            const float *v = vt + (size_t)t * hd + d;
-            __m512 w = _mm512_set1_ps(p[t]);
-            x0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), x0);
-            x1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), x1);
+        for (int k = 0; k < npairs; k++) {
+            const uint16_t *v = vi + ((size_t)k * hd + d) * 2;
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[k]);
+            x0 = _mm512_dpbf16_ps(x0, w, (__m512bh)_mm512_loadu_si512(v));
+            x1 = _mm512_dpbf16_ps(x1, w, (__m512bh)_mm512_loadu_si512(v + 32));
         }
         _mm512_storeu_ps(acc + d, x0);
         _mm512_storeu_ps(acc + d + 16, x1);
@@ -250,15 +252,27 @@ static inline void pv_accumulate(float *acc, float corr, const float *p, const f
  * row_end[j] (exclusive; NULL: all at t_end), into unnormalised acc [rows, hd], running max and
  * sum [rows]. Tiles of 16 tokens, one per lane: the head's K tile is transposed to [hd/2 pairs]
  * [16 tokens], so a row's 16 scores are bf16 pair dot products (vdpbf16ps: exact products, fp32
- * sums) with no horizontal sums; V is widened to fp32 once per tile and shared by every row.
- * kt: [hd/2][TILE] uint32 scratch; vb: [TILE, hd] fp32 scratch. */
+ * sums) with no horizontal sums; the tile's V is interleaved by token pairs once and shared by
+ * every row, whose weighted sum of V is vdpbf16ps too (P rounded to bf16, as flash attention
+ * does on GPUs). kt: [hd/2][TILE] uint32 scratch; vb: TILE × hd floats of scratch. */
 static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, float scale, int h,
                              int kvh, const uint16_t *k_cache, const uint16_t *v_cache,
                              const int32_t *pages, int t_begin, int t_end, int hd, int ps,
                              float *acc, float *mx, float *sum, uint32_t *kt, float *vb) {
     int pairs = hd / 2;
-    float p[TILE];
+    uint32_t pp[TILE / 2]; /* P of tokens 2k, 2k+1 as one bf16 pair */
+    uint16_t *vi = (uint16_t *)vb; /* [TILE / 2][hd][2] bf16: V of token pairs, interleaved */
     size_t off[TILE];
+    __m512i lo, hi; /* permutex2var indices: (a_i, b_i) for i = 0..15, and for i = 16..31 */
+    {
+        uint16_t il[32], ih[32];
+        for (int i = 0; i < 16; i++) {
+            il[2 * i] = (uint16_t)i; il[2 * i + 1] = (uint16_t)(32 + i);
+            ih[2 * i] = (uint16_t)(16 + i); ih[2 * i + 1] = (uint16_t)(48 + i);
+        }
+        lo = _mm512_loadu_si512(il);
+        hi = _mm512_loadu_si512(ih);
+    }
     memset(acc, 0, sizeof(float) * (size_t)rows * hd);
     for (int j = 0; j < rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
@@ -276,11 +290,14 @@ static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, fl
             transpose16(r);
             for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (size_t)(c + i) * TILE, r[i]);
         }
-        for (int t = 0; t < n; t++) {
-            const uint16_t *v = v_cache + off[t];
-            for (int d = 0; d < hd; d += 16) {
-                __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + d)));
-                _mm512_storeu_ps(vb + (size_t)t * hd + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        for (int t = 0; t < n; t += 2) { /* V of tokens t, t+1 interleaved: vdpbf16ps pairs */
+            const uint16_t *va = v_cache + off[t];
+            const uint16_t *vn = t + 1 < n ? v_cache + off[t + 1] : NULL;
+            for (int d = 0; d < hd; d += 32) {
+                __m512i a = _mm512_loadu_si512(va + d);
+                __m512i b = vn ? _mm512_loadu_si512(vn + d) : _mm512_setzero_si512();
+                _mm512_storeu_si512(vi + ((size_t)(t / 2) * hd + d) * 2, _mm512_permutex2var_epi16(a, lo, b));
+                _mm512_storeu_si512(vi + ((size_t)(t / 2) * hd + d + 16) * 2, _mm512_permutex2var_epi16(a, hi, b));
             }
         }
         for (int j = 0; j < rows; j++) {
@@ -303,10 +320,14 @@ static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, fl
             m = m > mx[j] ? m : mx[j];
             float corr = expf(mx[j] - m); /* mx[j] = -inf at the first tile: 0 */
             __m512 e = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
-            sum[j] = sum[j] * corr + _mm512_reduce_add_ps(e);
+            /* P is rounded to bf16 for the V products (as flash attention does on GPUs); the
+             * row sum adds the rounded values, so the weights still sum to one */
+            __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+            __m512 er = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
+            sum[j] = sum[j] * corr + _mm512_reduce_add_ps(er);
             mx[j] = m;
-            _mm512_storeu_ps(p, e);
-            pv_accumulate(acc + (size_t)j * hd, corr, p, vb, nj, hd);
+            _mm256_storeu_si256((__m256i *)pp, pb);
+            pv_accumulate_bf16(acc + (size_t)j * hd, corr, pp, vi, (nj + 1) / 2, hd);
         }
     }
 }
