@@ -9,15 +9,19 @@ device's overlap (CostModel.overlap):
   cursor admits memory-heavy requests, longest first so long decodes start early, within
   M_R = M − M_L, M_L = M·(ρ_t − ρ_R)/(ρ_L − ρ_R) clamped to [0, M] (each request counted at
   its average occupancy p + d̂/2), while the KV the running requests will hold at its peak, as
-  they grow and finish at their estimates (KvPeak), leaves the compute side its share; a request
-  that would decode longer than all the other work needs starts at once, wherever the plan put
-  it (the critical path). The left cursor admits compute-heavy requests as the prefill queue
-  drains. Pacing: a step's compute under its memory time (KV reads + one weights read) costs
-  only the non-overlapped share, so the prefill budget fills compute up to that memory time
-  (leaning past it while compute is the larger remainder, short of it while memory is; prompt
-  attention counted), or to the critical-path pace (remaining compute / steps) when that is
-  larger, where steps is the most of the decode steps the longest request may still need
-  (overruns allowed for) and the steps the remaining KV reads need at full capacity; the
+  they grow and finish at their estimates (KvPeak), leaves the compute side its share. Where KV
+  is what the steps are short of (memory leads and its reads at full capacity need more steps
+  than the compute in full steps), the peak alone bounds the memory side, up to the whole
+  capacity. A request that would decode longer than all the other work needs starts at once,
+  wherever the plan put it (the critical path). The left cursor admits compute-heavy requests
+  as the prefill queue drains; once memory leads and it reaches clearly memory-heavy requests
+  (Comp < MEMORY_HEAVY_RHO·Mem), the compute side takes them from the right end instead,
+  longest first. Pacing: a step's compute under its memory time (KV reads + one weights read)
+  costs only the non-overlapped share, so the prefill budget fills compute up to that memory
+  time (leaning 10% past it while compute is the larger remainder, 5% short of it while memory
+  is; prompt attention counted), or to the critical-path pace (remaining compute / steps) when
+  that is larger, where steps is the most of the decode steps the longest request may still
+  need (overruns allowed for) and the steps the remaining KV reads need at full capacity; the
   memory side admits while its steady-state read fits max(remaining compute, remaining
   memory + W·steps) / steps (steps as estimated). Steps stay balanced, and the work ends with
   the longest decode.
@@ -52,8 +56,11 @@ from scheduler.warmup import plan_warmup, prior_lengths
 LEFT, RIGHT = 0, 1
 EST, CRIT = 3, 5  # running-row columns: the length estimate, and the one allowing overruns
 WINDOW_LEAVES = 256  # ρ at a cursor: over the leaves that would fill M, at most this many
-RIGHT_MAX_SHARE = 0.9  # the memory side reserves at most this share of the KV capacity
-PACE_LEAN = 0.05  # fill compute 5% past a step's memory time (or short of it, memory-bound)
+RIGHT_MAX_SHARE = 0.9  # unless KV limits the steps, the memory side reserves at most this share
+KV_SHORT_FREE_SHARE = 0.05  # where KV limits the steps, free KV the memory side leaves prompts
+MEMORY_HEAVY_RHO = 0.5  # past this density (Comp/Mem) the left cursor's request is memory work
+PACE_LEAN_PAST = 0.10  # while compute leads, fill compute 10% past a step's memory time
+PACE_LEAN_SHORT = 0.05  # while memory leads, fill it 5% short of the memory time
 ROUND_ABOVE_MULTIPLES = 4  # steps of at least this many batch multiples are rounded to them
 MIN_BLEND_OVERLAP = 0.5  # below this share of overlap, keep the sharing order and full steps
 DEFAULT_STEP_TOKENS = 2048  # the executor's step cap when the caller does not say
@@ -417,29 +424,39 @@ class BlendPolicy:
         compute_leads = r_comp >= r_mem + self._weights * steps
         tau = max(r_comp, r_mem + self._weights * steps) / steps
         read_budget = max(tau - self._weights, 0.0) / self._skv
+        # KV is what the steps are short of when the KV reads, at full capacity, need more
+        # steps than the compute does in full steps (a small step cap makes compute the limit).
+        kv_short = not compute_leads and (r_mem / (capacity * self._skv)
+                                          > r_comp / (self._step_tokens * self._spt))
         queued = float(budget.waiting_prefill_tokens)
         free = float(budget.free_kv_tokens) - queued
         out: list[PlanRequest] = []
-        # 1. Memory side. A request joins it while it fits M_R (at most RIGHT_MAX_SHARE of the
-        # KV: memory-side requests overrun their estimates, and a compute side shut out of KV
-        # leaves steps memory-bound), the capacity and the read budget, its prompt fits the
-        # executor's free KV, at most a step of prefill is queued while compute leads, and the
-        # KV the running requests will hold at its peak, as they grow and finish at their
-        # estimates, leaves the compute side its share.
+        # 1. Memory side. A request joins it while it fits the read budget, its prompt fits the
+        # executor's free KV, and the KV the running requests will hold at its peak, as they grow
+        # and finish at their estimates, fits. Unless KV is short, it must also fit M_R (at most
+        # RIGHT_MAX_SHARE of the KV, counting average occupancy: memory-side requests overrun
+        # their estimates, and a compute side shut out of KV leaves steps memory-bound) and the
+        # capacity, and the peak must leave the compute side its share; while compute leads, at
+        # most a step of prefill may be queued. Where KV is short, a long decode holds far less
+        # than its average occupancy for most of its life, so only the peak (up to the whole
+        # capacity) and a little free KV for the next prompts bound the memory side.
         m_right = min(split.mem_right, RIGHT_MAX_SHARE * capacity) if split is not None else 0.0
         keep_free = (1.0 - RIGHT_MAX_SHARE) * capacity
+        free_margin = KV_SHORT_FREE_SHARE * capacity if kv_short else keep_free
+        peak_margin = 0.0 if kv_short else keep_free
         peak = self._kv_peak()
 
         def fits_kv(computed: float, p: float, d: float) -> bool:
-            return computed + keep_free <= free and peak.with_request(p, d) + keep_free <= capacity
+            return (computed + free_margin <= free
+                    and peak.with_request(p, d) + peak_margin <= capacity)
 
         def fits(computed: float, p: float, d: float) -> bool:
             need = computed + d / 2.0  # what it holds on average over its decode
             return (
                 fits_kv(computed, p, d)
-                and self._used[RIGHT] + need <= m_right
-                and self._used[LEFT] + self._used[RIGHT] + need <= capacity
                 and self._avg_read + p + d / 2.0 <= read_budget
+                and (kv_short or (self._used[RIGHT] + need <= m_right
+                                  and self._used[LEFT] + self._used[RIGHT] + need <= capacity))
                 and not (compute_leads and queued >= self._step_tokens)  # one step queued will do
             )
 
@@ -482,7 +499,10 @@ class BlendPolicy:
             self._trim()
         # 2. Compute side: keep about one step of prefill queued, in the executor's free KV and
         # in what the memory side leaves; estimate overruns inflate the memory side's
-        # reservations, so they count only up to its maximum share.
+        # reservations, so they count only up to its maximum share. Once memory leads and the
+        # left cursor has reached clearly memory-heavy requests, the compute side takes them
+        # from the right end instead, longest first: in plan order the longest would start
+        # last and decode alone at the end.
         left_room = capacity - min(self._used[RIGHT], RIGHT_MAX_SHARE * capacity) - self._used[LEFT]
         # The executor's queue counts whole prompts, cached prefixes included: scale the pace.
         lo = self._left
@@ -497,12 +517,18 @@ class BlendPolicy:
         )
         while self._left < self._right:
             pos = self._left
+            from_right = not compute_leads and plan.comp[pos] < MEMORY_HEAVY_RHO * plan.mem[pos]
+            if from_right:
+                pos = self._right - 1
             computed, d = float(plan.computed[pos]), float(plan.output[pos])
             need = computed + d / 2.0
             alone = not self._run and not out
             if not alone and (queued >= pace or need > free or need > left_room):
                 break
-            self._left += 1
+            if from_right:
+                self._right -= 1
+            else:
+                self._left += 1
             out.append(self._take(pos, LEFT, need))
             left_room -= need
             queued += computed
@@ -545,10 +571,10 @@ class BlendPolicy:
                         compute_leads: bool) -> float:
         """Prefill tokens that fill the step's compute up to its memory time (KV reads and the
         weights read: compute under it is nearly free), or to the critical-path pace
-        (remaining compute / steps) when that is larger. The fill leans PACE_LEAN past the
+        (remaining compute / steps) when that is larger. The fill leans PACE_LEAN_PAST past the
         memory time while compute is the larger remainder (its steps should be compute-bound,
-        hiding all memory) and short of it while memory is."""
-        lean = 1.0 + PACE_LEAN if compute_leads else 1.0 - PACE_LEAN
+        hiding all memory) and PACE_LEAN_SHORT short of it while memory is."""
+        lean = 1.0 + PACE_LEAN_PAST if compute_leads else 1.0 - PACE_LEAN_SHORT
         memory = (self._read * self._skv + self._weights) * lean
         seconds = max(memory, r_comp / steps)
         return max((seconds - decoding * self._spt) / self._prefill_token_s(), 0.0)

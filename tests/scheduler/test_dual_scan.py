@@ -323,3 +323,15 @@ def test_without_overlap_blend_keeps_the_sharing_order_longest_decodes_first_and
     got = pol.admit(make_budget(100_000))
     assert [r.id for r in got] == order  # everything fits: all at once, in that order
     assert pol.prefill_budget(make_budget(100_000, running=len(got), waiting=2000)) is None
+
+
+def test_once_memory_leads_the_compute_side_takes_memory_heavy_requests_longest_first():
+    # Nothing here is compute-heavy: in plan order the compute side would start the shortest
+    # decodes first and leave the longest to decode alone at the end.
+    reqs = [make_request(100, 3000 + 50 * i) for i in range(60)]  # Comp / Mem < 0.4 each
+    pol = _policy(reqs, capacity=100_000)
+    assert pol.remaining(0, 100_000)[0] < pol.remaining(0, 100_000)[1]  # memory leads
+    order = _drive(pol, reqs, capacity=100_000)
+    length = {r.id: r.known_output_len for r in reqs}
+    lengths = [length[rid] for rid in order]
+    assert lengths == sorted(lengths, reverse=True)
