@@ -312,6 +312,12 @@ class BlendPolicy:
         the longest request still needs (a running one's overruns allowed for when `cautious`),
         or the steps the KV reads need when a step reads at most the `capacity` tokens it
         holds, whichever is more."""
+        comp, mem, steps, cautious_steps = self._remaining(waiting_prefill_tokens, capacity)
+        return comp, mem, cautious_steps if cautious else steps
+
+    def _remaining(self, waiting_prefill_tokens: int,
+                   capacity: float) -> tuple[float, float, float, float]:
+        """`remaining` with both step counts: (compute s, KV-read s, steps, cautious steps)."""
         lo, hi = self._left, self._right
         comp = (
             self._cum_comp[hi]
@@ -322,9 +328,9 @@ class BlendPolicy:
         )
         mem = self._cum_mem[hi] - self._cum_mem[lo] - self._jumped[1] + self._rem_mem
         kv_steps = mem / (max(capacity, 1.0) * self._skv)
-        longest = self._longest_unstarted()[1]
-        running = self._longest_running(CRIT if cautious else EST)
-        return comp, mem, max(longest, running, kv_steps, 1.0)
+        least = max(self._longest_unstarted()[1], kv_steps, 1.0)
+        return (comp, mem, max(least, self._longest_running(EST)),
+                max(least, self._longest_running(CRIT)))
 
     def _longest_unstarted(self) -> tuple[int, float]:
         """(plan position, decode steps) of the longest request not started yet; (-1, 0) if none."""
@@ -634,11 +640,10 @@ class BlendPolicy:
         multiple = max(1, self._cost.hardware.batch_multiple)
         decoding = self._decoding
         capacity = float(budget.kv_capacity_tokens or self._capacity)
-        r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity,
-                                              cautious=False)
+        r_comp, r_mem, steps, cautious_steps = self._remaining(budget.waiting_prefill_tokens,
+                                                               capacity)
         compute_leads = r_comp >= r_mem + self._weights * steps
-        steps = self.remaining(budget.waiting_prefill_tokens, capacity)[2]
-        want = self._prefill_tokens(r_comp, steps, decoding, compute_leads)
+        want = self._prefill_tokens(r_comp, cautious_steps, decoding, compute_leads)
         if budget.waiting_prefill_tokens <= 0:
             self._credit = 0.0
             return int(want)

@@ -85,13 +85,13 @@ def load() -> ctypes.CDLL | None:
         return None
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        log.warning("no C compiler: CPU decode attention falls back to gather + SDPA")
+        log.warning("no C compiler: CPU attention falls back to gather + SDPA")
         return None
     try:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.warning("CPU decode kernel not built (%s): falling back to gather + SDPA", detail)
+        log.warning("CPU attention kernel not built (%s): falling back to gather + SDPA", detail)
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.paged_decode.argtypes = [p, i, p, p, p, i, p, i, i, i, i, ctypes.c_float, i, i, i, p, p]

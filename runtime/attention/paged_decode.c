@@ -208,6 +208,13 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
+/* permutex2var indices interleaving two rows a, b of 32 bf16: (a_i, b_i) for i = 0..15, and
+ * for i = 16..31 (b's elements are 32 + i). */
+static const uint16_t INTERLEAVE_LO[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                           8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const uint16_t INTERLEAVE_HI[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                           24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
 /* acc = acc · corr + Σ_k (p_2k v_2k + p_2k+1 v_2k+1) over `npairs` token pairs: pp[k] holds
  * (p_2k, p_2k+1) in bf16, vi [npairs][hd][2] the two tokens' V interleaved; hd a multiple of 32,
  * 64 or 32 dims at a time (independent vdpbf16ps chains). */
@@ -263,16 +270,7 @@ static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, fl
     uint32_t pp[TILE / 2]; /* P of tokens 2k, 2k+1 as one bf16 pair */
     uint16_t *vi = (uint16_t *)vb; /* [TILE / 2][hd][2] bf16: V of token pairs, interleaved */
     size_t off[TILE];
-    __m512i lo, hi; /* permutex2var indices: (a_i, b_i) for i = 0..15, and for i = 16..31 */
-    {
-        uint16_t il[32], ih[32];
-        for (int i = 0; i < 16; i++) {
-            il[2 * i] = (uint16_t)i; il[2 * i + 1] = (uint16_t)(32 + i);
-            ih[2 * i] = (uint16_t)(16 + i); ih[2 * i + 1] = (uint16_t)(48 + i);
-        }
-        lo = _mm512_loadu_si512(il);
-        hi = _mm512_loadu_si512(ih);
-    }
+    const __m512i lo = _mm512_loadu_si512(INTERLEAVE_LO), hi = _mm512_loadu_si512(INTERLEAVE_HI);
     memset(acc, 0, sizeof(float) * (size_t)rows * hd);
     for (int j = 0; j < rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);

@@ -58,10 +58,15 @@ def prefill_buckets(q_lens: Sequence[int], kv_lens: Sequence[int]) -> list[list[
     return [sorted(b) for b in buckets]
 
 
+def _page_table(tables: Sequence[Sequence[int]], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """[S, max_pages]: each sequence's pages, padded with page 0."""
+    max_pages = max(len(p) for p in tables)
+    return torch.tensor([list(p) + [0] * (max_pages - len(p)) for p in tables], dtype=dtype)
+
+
 def _paged_prefill(q_lens: Sequence[int], kv_lens: Sequence[int],
                    tables: Sequence[Sequence[int]]) -> _PagedPrefill:
-    max_pages = max(len(p) for p in tables)
-    table = torch.tensor([list(p) + [0] * (max_pages - len(p)) for p in tables], dtype=torch.int32)
+    table = _page_table(tables, torch.int32)
     q_start = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     q_start[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
     return _PagedPrefill(table, q_start, torch.tensor(kv_lens, dtype=torch.int32))
@@ -129,8 +134,7 @@ def _slots(batch: AttentionBatch, page_size: int) -> torch.Tensor:
     """Slot of every new token: positions kv_len - q_len .. kv_len - 1 of each sequence."""
     q_lens = torch.tensor(batch.q_lens, dtype=torch.long)  # [S]
     kv_lens = torch.tensor(batch.kv_lens, dtype=torch.long)  # [S]
-    max_pages = max(len(p) for p in batch.page_tables)
-    table = torch.tensor([list(p) + [0] * (max_pages - len(p)) for p in batch.page_tables])
+    table = _page_table(batch.page_tables)
     seq_of_tok = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
     starts = torch.cumsum(q_lens, 0) - q_lens  # [S]
     pos = (kv_lens - q_lens)[seq_of_tok] + torch.arange(int(q_lens.sum())) - starts[seq_of_tok]
@@ -154,9 +158,7 @@ class TorchAttention(AttentionBackend):
         """Sequences whose query rows all follow their keys: for the kernel, or padded + masked."""
         if self.decode_kernel is None:
             return self._dense([1] * len(kv_lens), kv_lens, tables, 1)
-        max_pages = max(len(p) for p in tables)
-        table = torch.tensor([list(p) + [0] * (max_pages - len(p)) for p in tables], dtype=torch.int32)
-        return _Paged(table, torch.tensor(kv_lens, dtype=torch.int32))
+        return _Paged(_page_table(tables, torch.int32), torch.tensor(kv_lens, dtype=torch.int32))
 
     def _dense(self, q_lens: Sequence[int], kv_lens: Sequence[int],
                tables: Sequence[Sequence[int]], q_rows: int) -> _Dense:
@@ -164,8 +166,8 @@ class TorchAttention(AttentionBackend):
         ps = self.pool.page_size
         ql = torch.tensor(q_lens, dtype=torch.long)  # [S]
         kl = torch.tensor(kv_lens, dtype=torch.long)  # [S]
-        max_pages = max(len(p) for p in tables)
-        table = torch.tensor([list(p) + [0] * (max_pages - len(p)) for p in tables])
+        table = _page_table(tables)
+        max_pages = table.shape[1]
         max_q = int(ql.max())
         key = torch.arange(max_pages * ps)  # [K]
         # Lower-right causal: query i of a chunk sits at position kv_len - q_len + i and sees keys
