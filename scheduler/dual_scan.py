@@ -19,12 +19,15 @@ device's overlap (CostModel.overlap):
   longest first. Pacing: a step's compute under its memory time (KV reads + one weights read)
   costs only the non-overlapped share, so the prefill budget fills compute up to that memory
   time (leaning 10% past it while compute is the larger remainder, 5% short of it while memory
-  is; prompt attention counted), or to the critical-path pace (remaining compute / steps) when
-  that is larger, where steps is the most of the decode steps the longest request may still
-  need (overruns allowed for) and the steps the remaining KV reads need at full capacity; the
+  is; prompt attention counted). It does not chase the critical-path pace (remaining compute /
+  steps): that rests on estimated lengths, and a path guessed short spends the compute early and
+  leaves the longest decodes alone in weight-bound steps, where one guessed long costs only a
+  compute-bound tail of full steps. The prefill queue does keep up with that pace, and the
   memory side admits while its steady-state read fits max(remaining compute, remaining
-  memory + W·steps) / steps (steps as estimated). Steps stay balanced, and the work ends with
-  the longest decode.
+  memory + W·steps) / steps, steps being the most of the decode steps the longest request may
+  still need (overruns allowed for) and the steps the remaining KV reads need at full capacity.
+  Warm-up filler of unknown length counts as decoding until the deadline, and the plan raises a
+  running request's estimate to its subtree's.
 - Where they do not overlap (this CPU runtime), mixing hides nothing: every step costs W plus
   its compute plus its memory, so only the step count and the prefix sharing can change. The plan
   keeps the sharing order (no splitting), puts the subtrees with the longest decodes first (they
@@ -233,6 +236,7 @@ class BlendPolicy:
         self._cum_prompt = np.concatenate(([0.0], np.cumsum(plan.prompt)))
         self._cum_out = np.concatenate(([0.0], np.cumsum(plan.output)))
         self._overrun = overrun_factor(self._tree, idx, lens)
+        self._raise_running_estimates()
         allowance = np.where(self._known[plan.order] >= 0, 1.0, self._overrun)
         crit = np.minimum(plan.output * allowance, self._max_tokens[plan.order])
         self._crit = crit  # [positions] decode steps each request may need
@@ -240,6 +244,21 @@ class BlendPolicy:
         self._crit_next = 0  # first entry of _by_crit that may not have started
         self._jumped = [0.0, 0.0]  # comp, mem of requests started ahead of the cursors
         self._left, self._right = 0, len(plan)
+
+    def _raise_running_estimates(self) -> None:
+        """Running requests started on a guess (warm-up filler on the prior) take the plan's
+        estimate of their subtree where it is larger, so their KV peak and the critical path
+        count what the sample has learned about them."""
+        for i, row in self._run.items():
+            new = float(self._est[i])
+            if self._known[i] >= 0 or new <= row[3]:
+                continue
+            self._account(row, -1.0)
+            row[1] += new - row[3]
+            row[3] = new
+            row[5] = max(row[5], min(new * self._overrun, float(self._max_tokens[i])))
+            self._account(row, 1.0)
+            self._push(i, row)
 
     @property
     def plan(self) -> Plan | None:
@@ -312,12 +331,6 @@ class BlendPolicy:
         the longest request still needs (a running one's overruns allowed for when `cautious`),
         or the steps the KV reads need when a step reads at most the `capacity` tokens it
         holds, whichever is more."""
-        comp, mem, steps, cautious_steps = self._remaining(waiting_prefill_tokens, capacity)
-        return comp, mem, cautious_steps if cautious else steps
-
-    def _remaining(self, waiting_prefill_tokens: int,
-                   capacity: float) -> tuple[float, float, float, float]:
-        """`remaining` with both step counts: (compute s, KV-read s, steps, cautious steps)."""
         lo, hi = self._left, self._right
         comp = (
             self._cum_comp[hi]
@@ -328,9 +341,8 @@ class BlendPolicy:
         )
         mem = self._cum_mem[hi] - self._cum_mem[lo] - self._jumped[1] + self._rem_mem
         kv_steps = mem / (max(capacity, 1.0) * self._skv)
-        least = max(self._longest_unstarted()[1], kv_steps, 1.0)
-        return (comp, mem, max(least, self._longest_running(EST)),
-                max(least, self._longest_running(CRIT)))
+        longest = self._longest_running(CRIT if cautious else EST)
+        return comp, mem, max(self._longest_unstarted()[1], kv_steps, longest, 1.0)
 
     def _longest_unstarted(self) -> tuple[int, float]:
         """(plan position, decode steps) of the longest request not started yet; (-1, 0) if none."""
@@ -422,8 +434,7 @@ class BlendPolicy:
         split = self._split = (
             self.memory_split(capacity) if self._left < self._right else self._split
         )
-        r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity,
-                                              cautious=False)
+        r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity)
         # The memory side may read up to τ − W per step, τ = the larger remainder (weights read
         # once a step included) over the critical-path steps: ahead of compute is free while
         # compute is the larger remainder, and no faster than the longest decode allows.
@@ -516,11 +527,10 @@ class BlendPolicy:
         prompt_per_computed = (self._cum_prompt[hi] - self._cum_prompt[lo]) / max(
             self._cum_computed[hi] - self._cum_computed[lo], 1.0
         )
-        pace_steps = self.remaining(budget.waiting_prefill_tokens, capacity)[2]
-        pace = (
-            max(self._prefill_tokens(r_comp, pace_steps, self._decoding, compute_leads), 1.0)
-            * prompt_per_computed
-        )
+        # The queue also keeps up with the critical-path pace (remaining compute / steps), so
+        # prompts are in when a step's budget wants them.
+        pace = (max(self._prefill_tokens(self._decoding, compute_leads, r_comp / steps), 1.0)
+                * prompt_per_computed)
         while self._left < self._right:
             pos = self._left
             from_right = not compute_leads and plan.comp[pos] < MEMORY_HEAVY_RHO * plan.mem[pos]
@@ -573,16 +583,16 @@ class BlendPolicy:
         assert self._plan is not None
         return self._start(int(self._plan.order[pos]), side, need)
 
-    def _prefill_tokens(self, r_comp: float, steps: float, decoding: int,
-                        compute_leads: bool) -> float:
+    def _prefill_tokens(self, decoding: int, compute_leads: bool,
+                        at_least_s: float = 0.0) -> float:
         """Prefill tokens that fill the step's compute up to its memory time (KV reads and the
-        weights read: compute under it is nearly free), or to the critical-path pace
-        (remaining compute / steps) when that is larger. The fill leans PACE_LEAN_PAST past the
-        memory time while compute is the larger remainder (its steps should be compute-bound,
-        hiding all memory) and PACE_LEAN_SHORT short of it while memory is."""
+        weights read: compute under it is nearly free), or to `at_least_s` seconds when that is
+        larger. The fill leans PACE_LEAN_PAST past the memory time while compute is the larger
+        remainder (its steps should be compute-bound, hiding all memory) and PACE_LEAN_SHORT
+        short of it while memory is."""
         lean = 1.0 + PACE_LEAN_PAST if compute_leads else 1.0 - PACE_LEAN_SHORT
         memory = (self._read * self._skv + self._weights) * lean
-        seconds = max(memory, r_comp / steps)
+        seconds = max(memory, at_least_s)
         return max((seconds - decoding * self._spt) / self._prefill_token_s(), 0.0)
 
     def _prefill_token_s(self) -> float:
@@ -600,8 +610,11 @@ class BlendPolicy:
 
     def _admit_warmup(self, budget: StepBudget) -> list[PlanRequest]:
         """The sample first, then filler (known lengths, then sharing order) while the KV
-        estimate fits and less than a step of prefill is queued."""
+        estimate fits and less than a step of prefill is queued. A filler request of unknown
+        length counts as decoding at least until the deadline: on the prior alone, a subtree of
+        long generations would fill the KV before the plan knows them."""
         out: list[PlanRequest] = []
+        until_plan = float(max(self.deadline_steps - self._steps, 0))
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
         queued = float(budget.waiting_prefill_tokens)
         used = self._used[LEFT] + self._used[RIGHT]
@@ -613,6 +626,8 @@ class BlendPolicy:
                 req = queue[nxt]
                 p = float(self._reqs[req].prompt_len)
                 need = p + float(self._est[req]) / 2.0
+                if side == LEFT and self._known[req] < 0:  # it may decode until the plan, at least
+                    need = max(need, p + min(float(self._max_tokens[req]), until_plan))
                 alone = not self._run and not out
                 cap = budget.kv_capacity_tokens * (1.0 if side == RIGHT else FILLER_KV_SHARE)
                 if not alone and (used + need > cap or p > free
@@ -640,10 +655,13 @@ class BlendPolicy:
         multiple = max(1, self._cost.hardware.batch_multiple)
         decoding = self._decoding
         capacity = float(budget.kv_capacity_tokens or self._capacity)
-        r_comp, r_mem, steps, cautious_steps = self._remaining(budget.waiting_prefill_tokens,
-                                                               capacity)
+        r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity,
+                                              cautious=False)
         compute_leads = r_comp >= r_mem + self._weights * steps
-        want = self._prefill_tokens(r_comp, cautious_steps, decoding, compute_leads)
+        # Not the critical-path pace: the lengths behind it are estimates, and guessing the
+        # path short spends the compute early and leaves the longest decodes alone in
+        # weight-bound steps at the end, while guessing it long costs only a compute-bound tail.
+        want = self._prefill_tokens(decoding, compute_leads)
         if budget.waiting_prefill_tokens <= 0:
             self._credit = 0.0
             return int(want)
@@ -675,7 +693,7 @@ class BlendPolicy:
         """Planned at the deadline with samples censored: re-plan what has not started once a
         quarter of the censored samples (or the last of them) have finished or, when blending,
         outgrown their censored estimate: the long ones set the memory work (it grows with d²)
-        and the critical path, which the pacing follows."""
+        and the critical path, which the memory side's admission follows."""
         self._learned += 1
         if self._plan is not None and not self._withdrawn and self._left < self._right and (
                 not self._warm_left or self._learned >= max(1, self.censored // 4)):

@@ -1,7 +1,14 @@
 import numpy as np
 import pytest
 
-from scheduler.dual_scan import BlendPolicy, KvPeak, split_memory, steady_prefill
+from scheduler.dual_scan import (
+    FILLER_KV_SHARE,
+    PACE_LEAN_PAST,
+    BlendPolicy,
+    KvPeak,
+    split_memory,
+    steady_prefill,
+)
 from scheduler.prefix_tree import PrefixTree
 from scheduler.types import PlanRequest
 from tests.scheduler.factories import h200_8b, make_budget, make_request
@@ -145,6 +152,49 @@ def test_a_censored_sample_outgrowing_its_estimate_triggers_a_replan():
     assert pol.replans == 1 and pol.plan.output.max() > planned
 
 
+def _admit_filler(pol, capacity, rounds=400):
+    """Warm-up admissions with the prefill queue drained each step and nothing finishing."""
+    out = pol.admit(make_budget(capacity))
+    for _ in range(rounds):
+        got = pol.admit(make_budget(capacity, running=len(out)))
+        if not got:
+            break
+        out += got
+    return out
+
+
+def test_warm_up_filler_of_unknown_length_counts_as_decoding_until_the_plan():
+    # generations whose lengths nobody knows yet: on the 256-token prior alone the filler would
+    # take ~1.6x as many of them, and their real growth could fill the KV before the plan
+    reqs = _warm_batch(n=4000, max_tokens=4096)
+    capacity = 200_000
+    pol = _warm_policy(reqs)
+    assert pol.deadline_steps > 200
+    samples = set(pol.warmup_request_ids)
+    filler = [r for r in _admit_filler(pol, capacity) if r.id not in samples]
+    held = len(filler) * (140 + pol.deadline_steps)  # prompt + decoding until the deadline
+    assert filler and held <= FILLER_KV_SHARE * capacity
+    assert len(filler) < 0.7 * FILLER_KV_SHARE * capacity / (140 + 256 / 2)
+
+
+def test_running_filler_takes_its_subtrees_estimate_at_the_plan():
+    reqs = _warm_batch(max_tokens=4096)
+    pol = _warm_policy(reqs)
+    started = _admit_filler(pol, 200_000, rounds=3)
+    samples = set(pol.warmup_request_ids)
+    filler = [r for r in started if r.id not in samples]
+    assert filler and pol.plan is None
+    for r in started:
+        if r.id in samples:
+            pol.on_finish(r.id, 2000)  # the whole subtree generates long
+    before = pol.reserved_kv[0]  # the filler's (left side)
+    assert pol.admit(make_budget(200_000, free=0, running=len(filler))) == []  # plans, no room
+    assert pol.plan is not None and (pol.plan.output == 2000).all()
+    # each running filler request now reserves for 2000 tokens instead of the 256 prior
+    assert pol.reserved_kv[0] - before == pytest.approx(len(filler) * (2000 - 256))
+    assert pol.remaining(0, 200_000, cautious=False)[2] >= 2000
+
+
 def test_a_batch_too_small_for_sampling_to_pay_is_planned_at_once_from_the_prior():
     reqs = [make_request(50, prefix=[1] * 40, max_tokens=100) for _ in range(300)]
     pol = _policy(reqs, sample_rate=0.02)
@@ -240,6 +290,15 @@ def test_an_overrunning_request_is_charged_to_the_memory_side():
     assert pol.side_of(short.id) == 1 and pol.reserved_kv[1] > right_before
 
 
+def _memory_fill(pol, cost, running, lean=1.0):
+    """Prefill tokens of the next 2990-token prompts that bring a step's compute up to `lean`
+    times its memory time (its KV reads plus one read of the weights); a prefill token also
+    carries its share of the prompt's attention."""
+    memory = pol.kv_read_tokens * cost.seconds_per_kv_token + cost.weights_read_s
+    per_token = cost.seconds_per_token + (3000**2 - 10**2) / 2 / 2990 * cost.seconds_per_pair
+    return (memory * lean - running * cost.seconds_per_token) / per_token
+
+
 def test_prefill_budget_fills_compute_up_to_the_steps_memory_time():
     reqs = [make_request(100, 8000) for _ in range(5)] + [
         make_request(3000, 2, prefix=[3] * 10) for _ in range(50)
@@ -251,12 +310,27 @@ def test_prefill_budget_fills_compute_up_to_the_steps_memory_time():
         pol.on_progress(reqs[i].id, 4000)
     running = len(admitted)
     budget = pol.prefill_budget(make_budget(800_000, running=running, waiting=100_000))
-    # compute up to the step's memory time: its KV reads plus one read of the weights; a
-    # prefill token of the next 2990-token prompts also carries its share of their attention
+    assert budget is not None and abs(budget - _memory_fill(pol, cost, running)) <= 128
+
+
+def test_prefill_budget_does_not_chase_an_estimated_critical_path():
+    # far more compute than the short decodes' steps could hide: the budget still fills only
+    # up to the step's memory time (leaning past it), not remaining compute / steps
+    reqs = [make_request(100, 200) for _ in range(4)] + [
+        make_request(3000, 2, prefix=[3] * 10) for _ in range(400)
+    ]
+    cost = h200_8b()
+    pol = _policy(reqs, capacity=800_000, cost=cost)
+    admitted = pol.admit(make_budget(800_000))
+    for r in admitted:
+        pol.on_progress(r.id, 1)
+    running = len(admitted)
+    comp, _, steps = pol.remaining(100_000, 800_000)
+    budget = pol.prefill_budget(make_budget(800_000, running=running, waiting=100_000))
     memory = pol.kv_read_tokens * cost.seconds_per_kv_token + cost.weights_read_s
-    per_token = cost.seconds_per_token + (3000**2 - 10**2) / 2 / 2990 * cost.seconds_per_pair
-    expected = (memory - running * cost.seconds_per_token) / per_token
-    assert budget is not None and abs(budget - expected) <= 128
+    assert comp / steps > 10 * memory  # the critical-path pace would fill whole steps
+    assert budget is not None
+    assert budget <= _memory_fill(pol, cost, running, 1 + PACE_LEAN_PAST) + 128
 
 
 def test_a_plan_with_known_lengths_needs_no_warm_up():
