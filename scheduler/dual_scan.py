@@ -463,7 +463,9 @@ class BlendPolicy:
         peak_margin = 0.0 if kv_short else keep_free
         peak = self._kv_peak()
 
-        def fits_kv(computed: float, p: float, d: float) -> bool:
+        def fits_kv(computed: float, p: float, d: float, overruns_in: bool = False) -> bool:
+            if self._warm_left and not overruns_in:  # censored samples run: see _kv_peak
+                d *= self._overrun
             return (computed + free_margin <= free
                     and peak.with_request(p, d) + peak_margin <= capacity)
 
@@ -497,7 +499,7 @@ class BlendPolicy:
                 break
             p = float(plan.prompt[pos])
             alone = not self._run and not out
-            if not alone and not fits_kv(p, p, crit):  # sized allowing overruns: it is long
+            if not alone and not fits_kv(p, p, crit, overruns_in=True):
                 break
             self._jumped[0] += float(plan.comp[pos])
             self._jumped[1] += float(plan.mem[pos])
@@ -573,10 +575,12 @@ class BlendPolicy:
         return out
 
     def _kv_peak(self) -> KvPeak:
-        """The running requests' KV growth and finishes, as their estimates predict."""
+        """The running requests' KV growth and finishes, as their estimates predict (allowing
+        for overruns while censored samples still run: their lengths are lower bounds then)."""
         rows = list(self._run.values())
+        col = CRIT if self._warm_left else EST
         held = np.fromiter((row[2] + row[4] for row in rows), np.float64, len(rows))
-        left = np.fromiter((max(row[3] - row[4], 0.0) for row in rows), np.float64, len(rows))
+        left = np.fromiter((max(row[col] - row[4], 0.0) for row in rows), np.float64, len(rows))
         return KvPeak(held, left)
 
     def _take(self, pos: int, side: int, need: float) -> PlanRequest:
