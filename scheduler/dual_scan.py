@@ -254,11 +254,18 @@ class BlendPolicy:
             if self._known[i] >= 0 or new <= row[3]:
                 continue
             self._account(row, -1.0)
-            row[1] += new - row[3]
-            row[3] = new
-            row[5] = max(row[5], min(new * self._overrun, float(self._max_tokens[i])))
+            self._raise_estimate(i, row, new)
             self._account(row, 1.0)
             self._push(i, row)
+
+    def _raise_estimate(self, req: int, row: list[float], new: float) -> None:
+        """A running request's new (larger) length estimate: its reservation grows by the
+        difference, its critical-path figure allows for overruns of it. The caller takes the
+        row out of the running sums (`_account`) before and puts it back after."""
+        row[1] += new - row[3]
+        row[3] = new
+        row[5] = max(row[5], min(new * self._overrun, float(self._max_tokens[req])))
+        self._est[req] = new
 
     @property
     def plan(self) -> Plan | None:
@@ -715,12 +722,9 @@ class BlendPolicy:
         row[4] = float(generated)
         outgrown = generated >= row[3]
         if outgrown:
-            new = corrected_estimate(row[3], generated, int(self._max_tokens[req]))
-            row[1] += new - row[3]
             row[0] = float(RIGHT)
-            row[3] = new
-            row[5] = max(row[5], min(new * self._overrun, float(self._max_tokens[req])))
-            self._est[req] = new
+            self._raise_estimate(req, row,
+                                 corrected_estimate(row[3], generated, int(self._max_tokens[req])))
         self._account(row, 1.0)
         self._push(req, row)
         if outgrown and self.blending and req in self._warm_left and self._plan is not None:

@@ -290,6 +290,17 @@ def test_an_overrunning_request_is_charged_to_the_memory_side():
     assert pol.side_of(short.id) == 1 and pol.reserved_kv[1] > right_before
 
 
+def _beside_prompts(n_decodes, d, n_prompts):
+    """Known-length decodes of 100-token prompts beside 3000-token prompts with a 10-token
+    shared prefix, on an H200 with 800k KV tokens: (requests, policy, cost, first admission)."""
+    reqs = [make_request(100, d) for _ in range(n_decodes)] + [
+        make_request(3000, 2, prefix=[3] * 10) for _ in range(n_prompts)
+    ]
+    cost = h200_8b()
+    pol = _policy(reqs, capacity=800_000, cost=cost)
+    return reqs, pol, cost, pol.admit(make_budget(800_000))
+
+
 def _memory_fill(pol, cost, running, lean=1.0):
     """Prefill tokens of the next 2990-token prompts that bring a step's compute up to `lean`
     times its memory time (its KV reads plus one read of the weights); a prefill token also
@@ -300,12 +311,7 @@ def _memory_fill(pol, cost, running, lean=1.0):
 
 
 def test_prefill_budget_fills_compute_up_to_the_steps_memory_time():
-    reqs = [make_request(100, 8000) for _ in range(5)] + [
-        make_request(3000, 2, prefix=[3] * 10) for _ in range(50)
-    ]
-    cost = h200_8b()
-    pol = _policy(reqs, capacity=800_000, cost=cost)
-    admitted = pol.admit(make_budget(800_000))
+    reqs, pol, cost, admitted = _beside_prompts(5, 8000, 50)
     for i in range(5):
         pol.on_progress(reqs[i].id, 4000)
     running = len(admitted)
@@ -316,12 +322,7 @@ def test_prefill_budget_fills_compute_up_to_the_steps_memory_time():
 def test_prefill_budget_does_not_chase_an_estimated_critical_path():
     # far more compute than the short decodes' steps could hide: the budget still fills only
     # up to the step's memory time (leaning past it), not remaining compute / steps
-    reqs = [make_request(100, 200) for _ in range(4)] + [
-        make_request(3000, 2, prefix=[3] * 10) for _ in range(400)
-    ]
-    cost = h200_8b()
-    pol = _policy(reqs, capacity=800_000, cost=cost)
-    admitted = pol.admit(make_budget(800_000))
+    _, pol, cost, admitted = _beside_prompts(4, 200, 400)
     for r in admitted:
         pol.on_progress(r.id, 1)
     running = len(admitted)
