@@ -4,7 +4,9 @@ The planner and the simulator cost a step as t = W + combine(compute, memory) (s
 cost_model.py). This module measures that model for one engine: it times the engine's own
 forward and sampling over a spread of step shapes (decode batches at short and long contexts,
 prefill chunks fresh and over a cached prefix, a mixed step) and fits, by non-negative least
-squares on relative error,
+squares weighted by 1/sqrt(seconds) (between relative error, where a 0.1 s decode step counts as
+much as a 5 s prefill step, and absolute error, which predicts a run's total but not its small
+steps),
 
     t = W + tokens·s_token + rows·s_row + pairs·s_pair + kv·s_kv
 
@@ -37,10 +39,17 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 4  # 2: real steps of a representative run in the fit; 3: attention kind;
-# 4: what the measurement covered (a small engine's profile no longer serves a full one)
+PROFILE_VERSION = 5  # 2: real steps of a representative run in the fit; 3: attention kind;
+# 4: what the measurement covered (a small engine's profile no longer serves a full one);
+# 5: the fit weighted by 1/sqrt(seconds), the representative run sized to the device
 FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
+LONG_STEP_S = 0.5  # a step shape whose warm-up took longer is timed once more, not `reps` times
+# The representative run's size, (requests, longest output): the largest that the step shapes'
+# fit says runs within CALIBRATION_BUDGET_S, so that a slow CPU (fp32 on AVX2 behind a few GB/s
+# of memory: ~5x a bf16 AVX-512 core) still measures its whole profile within a minute.
+CALIBRATION_BUDGET_S = 22.0
+CALIBRATION_SIZES = ((24, 96), (18, 96), (12, 96), (6, 96), (6, 48), (6, 24))
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +97,13 @@ def step_shapes(capacity_tokens: int, scale: int = 1) -> list[tuple[list[int], l
     return [(q, k) for q, k in shapes if sum(k) <= capacity_tokens // 2]
 
 
-def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int = 2) -> float:
+def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int = 2,
+              long_s: float = LONG_STEP_S) -> float:
     """Seconds of the engine's forward + greedy sampling on one step shape: the best of `reps`
-    runs after a warm-up (on a shared machine other load only ever adds time). The K/V pages
-    are borrowed from the engine's pool and handed back."""
+    runs after a warm-up (on a shared machine other load only ever adds time), or of one run
+    when the warm-up took over `long_s` (a long step is timed well enough once, and a slow CPU
+    must not spend minutes on its profile). The K/V pages are borrowed from the engine's pool
+    and handed back."""
     ps = engine.pool.page_size
     pages = engine.pool.alloc(sum(-(-k // ps) for k in kv_lens))
     it = iter(pages)
@@ -102,10 +114,10 @@ def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int =
     pos = torch.cat([torch.arange(k - q, k) for q, k in zip(q_lens, kv_lens)]).to(dev)
     rows = (torch.cumsum(torch.tensor(q_lens), 0) - 1).to(dev)
     batch = AttentionBatch(q_lens, kv_lens, tables, sum(1 for q in q_lens if q == 1))
-    times = []
+    times: list[float] = []
     try:
         with torch.inference_mode():
-            for _ in range(reps + 1):
+            while len(times) < 1 + (reps if not times or times[0] <= long_s else 1):
                 start = time.perf_counter()
                 plan = engine.attn.plan(batch)
                 logits = engine.model.forward(ids, pos, engine.attn, plan, rows)
@@ -117,7 +129,7 @@ def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int =
 
 
 def fit(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
-    """Non-negative least squares of the step model on relative error, refitted once without
+    """Non-negative least squares of the step model (weights 1/sqrt(seconds)), refitted once without
     the samples it misses by more than half (a timing disturbed by other load); returns the
     coefficients (FEATURES) and the mean absolute relative error over all samples."""
     coef, _ = _nnls(samples)
@@ -131,7 +143,10 @@ def fit(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
 def _nnls(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
     x = np.array([s.features() for s in samples])
     y = np.array([s.seconds for s in samples])
-    w = 1.0 / np.maximum(y, 1e-9)  # relative error: small steps count as much as big ones
+    # Relative error alone let a few small steps bend the fit away from the long ones that make
+    # up most of a run (a representative run's total came out 9-14% short on a slow CPU; 4% with
+    # this weighting, at the same mean relative error per step).
+    w = 1.0 / np.sqrt(np.maximum(y, 1e-9))
     best: tuple[float, np.ndarray] | None = None
     # Five unknowns: solve on every subset of them and keep the best non-negative solution.
     for k in range(1, x.shape[1] + 1):
@@ -156,21 +171,50 @@ def predict(coef: dict[str, float], s: Sample) -> float:
     return float(np.dot([coef[f] for f in FEATURES], s.features()))
 
 
-def calibration_requests(vocab_size: int, max_len: int, n: int = 24) -> list[EngineRequest]:
+def calibration_requests(vocab_size: int, max_len: int, n: int = 24,
+                         longest: int = 96) -> list[EngineRequest]:
     """A representative run: prompts of 40 to 1,600 tokens (half sharing a 64-token prefix) and
-    8 to 96 output tokens, so its steps span long prefill chunks at the step cap, mixed steps and
-    decode batches of every size, with the engine's own sampling and bookkeeping in each."""
+    8 to `longest` output tokens, so its steps span long prefill chunks at the step cap, mixed
+    steps and decode batches of every size, with the engine's own sampling and bookkeeping in
+    each. Any n >= 6 holds every prompt length (the longest included)."""
+    outputs = (8, longest, max(longest // 3, 8))
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(1, vocab_size, (64,), generator=gen).tolist()
-    prompts = (40, 1600, 120, 900, 300, 600)
-    outs = (8, 96, 32)
     reqs = []
     for i in range(n):
-        p = min(prompts[i % len(prompts)], max_len // 2)
-        params = SamplingParams(max_tokens=outs[i % len(outs)], temperature=0.0, ignore_eos=True)
+        p = min(_CAL_PROMPTS[i % len(_CAL_PROMPTS)], max_len // 2)
+        params = SamplingParams(max_tokens=outputs[i % len(outputs)], temperature=0.0,
+                                ignore_eos=True)
         tail = torch.randint(1, vocab_size, (p,), generator=gen).tolist()
         reqs.append(EngineRequest(f"p{i}", (shared if i % 2 else []) + tail, params))
     return reqs  # the step log counts the KV decodes really read, shared prefixes once
+
+
+_CAL_PROMPTS = (40, 1600, 120, 900, 300, 600)
+
+
+def calibration_seconds(coef: dict[str, float], reqs: Sequence[EngineRequest],
+                        step_tokens: int) -> float:
+    """The representative run's seconds as a fit predicts them: every prompt token and its
+    causal pairs once, every output token a decode row reading its context, and a fixed cost
+    for each of the steps (the prefill steps at the step cap, then the longest decode)."""
+    prompts = [len(r.prompt_token_ids) for r in reqs]
+    outs = [r.params.max_tokens for r in reqs]
+    tokens = sum(prompts) + sum(outs)
+    pairs = sum(p * (p + 1) // 2 for p in prompts)
+    kv = sum(d * p + d * d // 2 for p, d in zip(prompts, outs))
+    steps = -(-sum(prompts) // max(step_tokens, 1)) + max(outs)
+    return predict(coef, Sample(tokens, sum(outs), pairs, kv, 0.0)) + (steps - 1) * coef["step_fixed_s"]
+
+
+def calibration_size(coef: dict[str, float], vocab_size: int, max_len: int,
+                     step_tokens: int) -> tuple[int, int]:
+    """The largest calibration run (CALIBRATION_SIZES) the budget allows on this device."""
+    for n, longest in CALIBRATION_SIZES:
+        reqs = calibration_requests(vocab_size, max_len, n, longest)
+        if calibration_seconds(coef, reqs, step_tokens) <= CALIBRATION_BUDGET_S:
+            return n, longest
+    return CALIBRATION_SIZES[-1]
 
 
 def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
@@ -180,7 +224,10 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
     shapes = [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in _shapes(engine)]
     # The real steps of a representative run join the fit: what a step costs beyond the forward
     # (sampling, scheduling, stop checks, cache bookkeeping) and how long chunks really scale.
-    calibration = calibration_requests(engine.vocab_size, engine.max_model_len)
+    # Its size is what the shapes alone say this device runs within the budget.
+    n, longest = calibration_size(fit(shapes)[0], engine.vocab_size, engine.max_model_len,
+                                  engine.config.max_batch_tokens)
+    calibration = calibration_requests(engine.vocab_size, engine.max_model_len, n, longest)
     list(engine.generate(calibration, policy="fcfs"))
     steps = [Sample.from_record(r) for r in engine.step_log]
     coef, fit_error = fit(shapes + steps)
@@ -210,7 +257,9 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         "model_config": cfg.to_hf(dtype),
         "fit": {"shapes": len(shapes), "longest_prompt": _longest_prompt(engine),
                 "step_tokens": engine.config.max_batch_tokens, "mean_abs_rel_error": fit_error,
-                "calibration_steps": len(steps), "calibration_mean_abs_rel_error": run_error,
+                "calibration_requests": n, "calibration_longest_output": longest,
+                "calibration_steps": len(steps),
+                "calibration_mean_abs_rel_error": run_error,
                 "calibration_total_error": run_total},
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": time.perf_counter() - started,

@@ -4,7 +4,7 @@ Decode attention on a CPU is a memory-bound read of every running sequence's con
 the pages into a dense copy before SDPA reads and writes that context twice more, and padding to
 the longest sequence adds more; the kernel reads each page in place instead (vLLM's CPU backend
 does the same with its own C++ kernels). `paged_prefill` does the same for prefill chunks, causal
-(bf16 with AVX512-BF16 only; elsewhere prefill keeps gather + masked SDPA).
+(bf16 with AVX512-BF16 in its fastest path, any other dtype and CPU in plain vectorised loops).
 
 The shared object is compiled with the system's C compiler (`gcc -O3 -march=native -fopenmp`)
 into `$BLENDSERVE_KERNEL_DIR` (default `~/.cache/blendserve/kernels`), keyed by the source, the
@@ -96,7 +96,7 @@ def load() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.paged_decode.argtypes = [p, i, p, p, p, i, p, i, i, i, i, ctypes.c_float, i, i, i, p, p]
     lib.paged_decode.restype = i
-    lib.paged_prefill.argtypes = [p, p, p, i, p, p, p, i, i, i, i, i, ctypes.c_float, i, p]
+    lib.paged_prefill.argtypes = [p, p, p, i, p, p, p, i, i, i, i, i, ctypes.c_float, i, i, p]
     lib.paged_prefill.restype = i
     lib.paged_prefill_supported.argtypes = [i, i]
     lib.paged_prefill_supported.restype = i
@@ -104,7 +104,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def prefill_supported(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `paged_prefill` runs here: bf16, a head size that is a multiple of 32, AVX512-BF16."""
+    """Whether `paged_prefill` runs for this dtype here (every CPU the kernel builds on)."""
     return dtype in DTYPES and bool(lib.paged_prefill_supported(DTYPES[dtype], head_dim))
 
 
@@ -130,7 +130,7 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_size: int, table: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
                   scale: float, kv_heads: int) -> torch.Tensor:
-    """Causal prefill attention of chunks laid one after another. q: [T, H, hd] (bf16), chunk s
+    """Causal prefill attention of chunks laid one after another. q: [T, H, hd], chunk s
     its tokens q_start[s] .. q_start[s + 1] - 1 at the last positions of its kv_lens[s]; k/v_cache:
     one layer of the pool, already holding the chunks' K/V; table: [S, max_pages] int32;
     q_start: [S + 1] int32; kv_lens: [S] int32 -> out [T, H * hd]."""
@@ -139,10 +139,8 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     out = torch.empty((t, heads * hd), dtype=q.dtype)
     rc = lib.paged_prefill(q.data_ptr(), q_start.data_ptr(), kv_lens.data_ptr(), len(kv_lens),
                            k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.shape[1],
-                           kv_heads, heads // kv_heads, hd, page_size, scale,
+                           kv_heads, heads // kv_heads, hd, page_size, scale, DTYPES[q.dtype],
                            torch.get_num_threads(), out.data_ptr())
-    if rc == -1:
-        raise MemoryError("paged_prefill: out of memory for its work buffers")
     if rc != 0:
-        raise ValueError("paged_prefill: not supported for this dtype or head size")
+        raise MemoryError("paged_prefill: out of memory for its work buffers")
     return out

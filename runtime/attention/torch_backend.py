@@ -2,11 +2,10 @@
 for the CPU/CUDA flash SDPA kernel.
 
 On a CPU with a C compiler, decode attention runs in `paged_decode.c` (see cpu_kernel.py): each
-sequence's pages are read where they lie, with no gathered copy and no padding. With bf16 on a
-CPU with AVX512-BF16, prefill chunks run there too (`paged_prefill`: causal, a chunk's tiles of
-keys skipped past each query's position, ~2× the masked SDPA below, which computes the masked
-half too). Without it (no compiler, fp32 prefill, CUDA without flashinfer) attention takes the
-gather + SDPA path below.
+sequence's pages are read where they lie, with no gathered copy and no padding. Prefill chunks
+run there too (`paged_prefill`: causal, a chunk's tiles of keys skipped past each query's
+position, 2-3× the masked SDPA below, which computes the masked half too). Without it (no
+compiler, CUDA without flashinfer) attention takes the gather + SDPA path below.
 
 Decodes (one query each) and prefill chunks are padded apart so a 512-token chunk does not pad
 every decode row to 512 queries; prefill chunks are padded in buckets of similar size, so a
@@ -150,7 +149,7 @@ class TorchAttention(AttentionBackend):
         super().__init__(pool, num_heads=num_heads, scale=scale)
         on_cpu = pool.data.device.type == "cpu" and pool.data.dtype in cpu_kernel.DTYPES
         self.decode_kernel = cpu_kernel.load() if on_cpu else None  # decodes read pages in place
-        # prefill chunks too, where the kernel's bf16 path runs (else gather + masked SDPA)
+        # and prefill chunks, causal (else gather + masked SDPA)
         self.prefill_kernel = self.decode_kernel is not None and cpu_kernel.prefill_supported(
             self.decode_kernel, pool.data.dtype, pool.head_dim)
 

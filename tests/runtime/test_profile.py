@@ -7,9 +7,14 @@ from pathlib import Path
 import pytest
 
 from runtime.profile import (
+    CALIBRATION_BUDGET_S,
+    CALIBRATION_SIZES,
     FEATURES,
     Sample,
     cached_profile_path,
+    calibration_requests,
+    calibration_seconds,
+    calibration_size,
     cost_model_from_profile,
     covers,
     fit,
@@ -51,6 +56,26 @@ def test_one_timing_disturbed_by_other_load_does_not_bend_the_fit() -> None:
 def test_step_shapes_count_decode_reads_and_prefill_pairs() -> None:
     s = Sample.of([1, 1, 4], [10, 20, 6], 0.0)  # two decodes, a 4-token chunk over 2 cached
     assert (s.tokens, s.rows, s.kv_read, s.pairs) == (6, 3, 30, 4 * 2 + 10)
+
+
+# SmolLM2-135M as measured: bf16 on an AVX512-BF16 core, and fp32 on a slow AVX2 VM.
+FAST = {"step_fixed_s": 0.015, "s_per_token": 4.3e-4, "s_per_row": 0.0, "s_per_pair": 2e-7,
+        "s_per_kv_token": 3e-6}
+SLOW = {"step_fixed_s": 0.15, "s_per_token": 2.7e-3, "s_per_row": 0.0, "s_per_pair": 2.4e-6,
+        "s_per_kv_token": 2.8e-5}
+
+
+def test_a_slow_device_runs_a_smaller_calibration_within_the_budget() -> None:
+    full = CALIBRATION_SIZES[0]
+    assert calibration_size(FAST, 49152, 8192, 2048) == full
+    n, longest = calibration_size(SLOW, 49152, 8192, 2048)
+    assert (n, longest) != full
+    reqs = calibration_requests(49152, 8192, n, longest)
+    assert calibration_seconds(SLOW, reqs, 2048) <= CALIBRATION_BUDGET_S
+    # the smaller run still holds the longest prompt, which `covers` compares
+    assert max(len(r.prompt_token_ids) for r in reqs) == max(
+        len(r.prompt_token_ids) for r in calibration_requests(49152, 8192, *full))
+    assert max(r.params.max_tokens for r in reqs) == longest
 
 
 def test_a_measured_profile_loads_into_the_cost_model(tmp_path: Path) -> None:

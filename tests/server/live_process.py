@@ -121,3 +121,18 @@ class Server(Proc):
                 pass
             time.sleep(0.2)
         pytest.fail(f"server did not become healthy\n{self.tail()}")
+
+    def wait_worker_up(self, client: httpx.Client, timeout_s: float = 240) -> None:
+        """Until /metrics shows a worker publishing figures: its engine is loaded and its device
+        profile measured (up to a minute the first time on a slow CPU), so a test's clock starts
+        with a worker ready to claim."""
+        deadline = time.monotonic() + timeout_s  # hang guard
+        while time.monotonic() < deadline:
+            assert self.alive(), self.tail()
+            try:
+                if "\nblendserve_worker_up{" in client.get(f"{self.url}/metrics").text:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"no worker came up\n{self.tail()}")

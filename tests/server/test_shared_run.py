@@ -212,6 +212,9 @@ def test_through_the_api_a_one_minute_window_expires_and_a_cancel_lands_on_time(
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
             server.wait_healthy(c)
+            # The window is about a running worker, not the first start's profile measurement
+            # (up to a minute on a slow CPU), which would eat the whole minute.
+            server.wait_worker_up(c)
 
             expiring, cancelled = create_batch(c, big, window="1m"), create_batch(c, big)
             deadline = time.monotonic() + 300  # hang guard
