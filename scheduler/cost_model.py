@@ -346,6 +346,17 @@ class CostModel:
         step cap force, each paying one weights read)."""
         return max((1.0 - max_sharing) * total_comp, total_mem + self.step_fixed_s * min_steps)
 
+    def device_floor(self, compute_s: float, kv_read_s: float, steps: float) -> float:
+        """A lower bound on any schedule on this device, tighter than `optimal_makespan`: each
+        step costs max(c, m) + (1 − overlap)·min(c, m), so summed over steps (the sum is
+        monotone in both totals) T ≥ max(C, M) + (1 − overlap)·min(C, M), for any C and M no
+        schedule goes below: here the compute every order must do, and the KV reads plus W
+        for each of the steps none can do without (simulate/run.py: device_floor). Analysis
+        only: the goals are stated against `optimal_makespan`."""
+        c = float(compute_s)
+        m = float(kv_read_s) + self.step_fixed_s * float(steps)
+        return max(c, m) + (1.0 - self.overlap) * min(c, m)
+
     @classmethod
     def default(cls) -> CostModel:
         """Llama-3-8B on an H200: the profile the project's goals are stated on."""

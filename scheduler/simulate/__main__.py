@@ -1,6 +1,7 @@
 """`python -m scheduler.simulate TRACE.jsonl --policy blend --json`: plan, simulate, print one line.
 
-Fields: policy, requests, makespan_s, optimal_makespan_s, fraction_of_optimal,
+Fields: policy, requests, makespan_s, optimal_makespan_s, fraction_of_optimal, device_floor_s
+and fraction_of_device_floor (a tighter bound: the device's overlap, the KV capacity's steps),
 prefix_sharing_ratio, max_prefix_sharing_ratio, throughput_tokens_per_s (prompt + output tokens
 per second), plan_seconds, leaves_split, and run details (steps, preemptions, utilisation, …);
 with --dp K the batch figures plus one entry per shard under `shards`.

@@ -23,6 +23,7 @@ from scheduler.simulate.trace import TraceEntry
 from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
 
 NULL_SIMULATION = dict.fromkeys(("makespan_s", "optimal_makespan_s", "fraction_of_optimal",
+                                 "device_floor_s", "fraction_of_device_floor",
                                  "prefix_sharing_ratio", "max_prefix_sharing_ratio",
                                  "throughput_tokens_per_s"))
 
@@ -80,6 +81,27 @@ def trace_totals(entries: Sequence[TraceEntry], cost: CostModel) -> tuple[float,
     return float(np.sum(cost.comp(p, d))), float(np.sum(cost.mem(p, d)))
 
 
+def device_floor(entries: Sequence[TraceEntry], cost: CostModel, tree: PrefixTree,
+                  s_min: float, kv_capacity_tokens: int) -> float:
+    """CostModel.device_floor with what no order avoids. Compute: every distinct prompt token
+    once, every decode, a sampled row per output token, and each prompt's causal pairs past
+    the prefix it shares with another request. KV reads: decode k = 1 … d − 1 reads p + k tokens
+    (the prefill step samples the first). Steps: S_min, and (without cascade) the steps the KV capacity forces: a
+    decode's tokens past its shared prefix sit in slots of its own, and one step reads at most
+    the capacity of them."""
+    p = np.fromiter((e.request.prompt_len for e in entries), np.float64, len(entries))
+    d = np.fromiter((e.output_len for e in entries), np.float64, len(entries))
+    shared = tree.depth[tree.parent[tree.leaf_node]].astype(np.float64)  # prefix another holds
+    decodes = np.maximum(d - 1.0, 0.0)
+    compute = cost.step_compute_time(tree.unique_tokens + decodes.sum(), d.sum(),
+                                     float(np.sum(p * p - shared * shared)) / 2.0)
+    reads = p * decodes + decodes * (decodes + 1.0) / 2.0
+    own_reads = (p - shared) * decodes + decodes * (decodes + 1.0) / 2.0
+    kv_steps = 0.0 if cost.hardware.cascade else float(own_reads.sum()) / max(kv_capacity_tokens, 1)
+    return cost.device_floor(compute, float(reads.sum()) * cost.seconds_per_kv_token,
+                             max(s_min, kv_steps))
+
+
 def leaves_split(policy: AdmissionPolicy) -> int | None:
     """Leaves node splitting moved (blend); None for policies that do not split."""
     for attr in ("leaves_split", "leaves_moved"):
@@ -130,6 +152,7 @@ def run_trace(entries: Sequence[TraceEntry], cost: CostModel, cfg: RunConfig,
     s_min = min_steps(max(e.output_len for e in entries),
                       tree.unique_tokens + result.output_tokens, cfg.max_step_tokens)
     opt = cost.optimal_makespan(comp, mem, s_max, s_min)
+    floor = device_floor(entries, cost, tree, s_min, cfg.kv_capacity_tokens)
     c, m = result.step_compute_s, result.step_memory_s
     busy = float(result.step_time_s.sum())
     span = result.makespan_s
@@ -137,6 +160,8 @@ def run_trace(entries: Sequence[TraceEntry], cost: CostModel, cfg: RunConfig,
         makespan_s=span,
         optimal_makespan_s=opt,
         fraction_of_optimal=opt / span if span > 0 else None,
+        device_floor_s=floor,
+        fraction_of_device_floor=floor / span if span > 0 else None,
         prefix_sharing_ratio=result.prefix_sharing_ratio,
         max_prefix_sharing_ratio=s_max,
         throughput_tokens_per_s=(result.prompt_tokens + result.output_tokens) / span if span > 0 else None,

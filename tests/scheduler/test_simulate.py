@@ -158,6 +158,32 @@ def test_every_step_pays_the_weights_read_unless_idealised_away() -> None:
     assert ideal.makespan_s < overlapped.makespan_s < real.makespan_s
 
 
+@pytest.mark.parametrize("overlap", [0.0, 0.9])
+def test_the_device_floor_bounds_every_order_and_counts_the_kv_capacitys_steps(
+        overlap: float) -> None:
+    cost = CostModel(COST.shape, COST.hardware.idealised(overlap=overlap))
+    trace = random_trace(120, seed=5)
+    tree = PrefixTree.build([e.request.prompt_token_ids for e in trace])
+    for cap in (3000, 200_000):
+        for policy in ("fcfs", "dfs", "blend"):
+            fields, _ = run.run_trace(trace, cost, run.RunConfig(policy, cap, max_step_tokens=512))
+            assert fields["device_floor_s"] <= fields["makespan_s"]
+            assert 0 < fields["fraction_of_device_floor"] <= 1.0
+    s_min = max(e.output_len for e in trace)
+    roomy = run.device_floor(trace, cost, tree, s_min, 200_000)
+    tight = run.device_floor(trace, cost, tree, s_min, 3000)  # the capacity forces more steps
+    assert tight > roomy
+
+
+def test_a_lone_requests_device_floor_is_within_a_step_of_its_time() -> None:
+    cost = CostModel(COST.shape, COST.hardware.idealised(overlap=0.0))
+    p, d = 1000, 30
+    floor = run.device_floor([make_entry("a", tokens(1, p), d)], cost,
+                             PrefixTree.build([tokens(1, p)]), d, 10**6)
+    result = run_alone(p, d, cost)
+    assert result.makespan_s - cost.step_fixed_s <= floor <= result.makespan_s
+
+
 def test_policy_prefill_budget_paces_chunks() -> None:
     entry = make_entry("a", tokens(1, 1000), 5)
     result = simulate([entry], OneAtATime([entry.request], budget=256), COST, SimConfig(10**6))
