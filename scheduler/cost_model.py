@@ -353,9 +353,7 @@ class CostModel:
         schedule goes below: here the compute every order must do, and the KV reads plus W
         for each of the steps none can do without (simulate/run.py: device_floor). Analysis
         only: the goals are stated against `optimal_makespan`."""
-        c = float(compute_s)
-        m = float(kv_read_s) + self.step_fixed_s * float(steps)
-        return max(c, m) + (1.0 - self.overlap) * min(c, m)
+        return float(self.combine(float(compute_s), float(kv_read_s) + self.step_fixed_s * steps))
 
     @classmethod
     def default(cls) -> CostModel:

@@ -74,10 +74,16 @@ class TimedPolicy:
         return self._timed(self.inner.withdraw)
 
 
-def trace_totals(entries: Sequence[TraceEntry], cost: CostModel) -> tuple[float, float]:
-    """(ΣComp, ΣMem) in seconds with the true output lengths."""
+def trace_lengths(entries: Sequence[TraceEntry]) -> tuple[np.ndarray, np.ndarray]:
+    """([entries] prompt lengths, [entries] true output lengths), as floats."""
     p = np.fromiter((e.request.prompt_len for e in entries), np.float64, len(entries))
     d = np.fromiter((e.output_len for e in entries), np.float64, len(entries))
+    return p, d
+
+
+def trace_totals(entries: Sequence[TraceEntry], cost: CostModel) -> tuple[float, float]:
+    """(ΣComp, ΣMem) in seconds with the true output lengths."""
+    p, d = trace_lengths(entries)
     return float(np.sum(cost.comp(p, d))), float(np.sum(cost.mem(p, d)))
 
 
@@ -86,17 +92,17 @@ def device_floor(entries: Sequence[TraceEntry], cost: CostModel, tree: PrefixTre
     """CostModel.device_floor with what no order avoids. Compute: every distinct prompt token
     once, every decode, a sampled row per output token, and each prompt's causal pairs past
     the prefix it shares with another request. KV reads: decode k = 1 … d − 1 reads p + k tokens
-    (the prefill step samples the first). Steps: S_min, and (without cascade) the steps the KV capacity forces: a
-    decode's tokens past its shared prefix sit in slots of its own, and one step reads at most
-    the capacity of them."""
-    p = np.fromiter((e.request.prompt_len for e in entries), np.float64, len(entries))
-    d = np.fromiter((e.output_len for e in entries), np.float64, len(entries))
+    (the prefill step samples the first). Steps: S_min, and (without cascade) the steps the KV
+    capacity forces: a decode's tokens past its shared prefix sit in slots of its own, and one
+    step reads at most the capacity of them."""
+    p, d = trace_lengths(entries)
     shared = tree.depth[tree.parent[tree.leaf_node]].astype(np.float64)  # prefix another holds
     decodes = np.maximum(d - 1.0, 0.0)
     compute = cost.step_compute_time(tree.unique_tokens + decodes.sum(), d.sum(),
                                      float(np.sum(p * p - shared * shared)) / 2.0)
-    reads = p * decodes + decodes * (decodes + 1.0) / 2.0
-    own_reads = (p - shared) * decodes + decodes * (decodes + 1.0) / 2.0
+    generated = decodes * (decodes + 1.0) / 2.0  # reads of the decode's own new tokens
+    reads = p * decodes + generated
+    own_reads = (p - shared) * decodes + generated
     kv_steps = 0.0 if cost.hardware.cascade else float(own_reads.sum()) / max(kv_capacity_tokens, 1)
     return cost.device_floor(compute, float(reads.sum()) * cost.seconds_per_kv_token,
                              max(s_min, kv_steps))
