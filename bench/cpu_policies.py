@@ -8,6 +8,7 @@ model load excluded), output tokens/s, cached prompt tokens and steps, blend aga
 baseline, the simulator's prediction of each run from the measured device profile, and the
 step model's seconds over the steps the run took (the device profile applied to each step's
 tokens, rows, pairs and KV reads): what the schedules cost without the machine's timing noise.
+Each run's prediction uses the profile as that run loaded it (copied beside its report).
 
 The prediction is the simulator CLI itself: the workload becomes a trace (prompt token ids with
 the chat template applied, the output lengths the run produced) and
@@ -50,6 +51,10 @@ def run_one(inp: Path, out_dir: Path, policy: str | None, cap: int | None) -> di
     subprocess.run(cmd, check=True, cwd=ROOT, stderr=subprocess.DEVNULL)
     data = json.loads(report.read_text())
     data["process_seconds"] = time.monotonic() - started
+    # The profile as this run used it (a `blendserve profile` between runs replaces the cache).
+    used = out_dir / f"{tag}.profile.json"
+    used.write_text(Path(data["profile"]["path"]).read_text())
+    data["profile"]["path"] = str(used)
     data["output_file"] = str(out_dir / f"{tag}.out.jsonl")
     data["label"] = f"{policy or 'blend (default flags)'}" + (f" @{cap}" if cap else "")
     return data

@@ -109,7 +109,7 @@ def test_two_batches_sharing_a_system_prompt_both_read_it_from_the_cache(
 def test_cancelling_one_batch_of_a_shared_run_leaves_the_others_intact(
     settings, db, engine
 ) -> None:
-    victim = seed_batch(settings, db, _lines("v", 10, max_tokens=400, ignore_eos=True))
+    victim = seed_batch(settings, db, _lines("v", 10, max_tokens=1200, ignore_eos=True))
     others = [seed_batch(settings, db, _lines(f"o{k}", 3, max_tokens=8, ignore_eos=True))
               for k in range(2)]
     cancelled_at: list[float] = []
