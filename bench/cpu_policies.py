@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -53,7 +54,7 @@ def run_one(inp: Path, out_dir: Path, policy: str | None, cap: int | None) -> di
     data["process_seconds"] = time.monotonic() - started
     # The profile as this run used it (a `blendserve profile` between runs replaces the cache).
     used = out_dir / f"{tag}.profile.json"
-    used.write_text(Path(data["profile"]["path"]).read_text())
+    shutil.copyfile(data["profile"]["path"], used)
     data["profile"]["path"] = str(used)
     data["output_file"] = str(out_dir / f"{tag}.out.jsonl")
     data["label"] = f"{policy or 'blend (default flags)'}" + (f" @{cap}" if cap else "")

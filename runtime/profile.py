@@ -152,36 +152,24 @@ def _nnls(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
     # up most of a run (a representative run's total came out 9-14% short on a slow CPU; 4% with
     # this weighting, at the same mean relative error per step).
     w = 1.0 / np.sqrt(np.maximum(y, 1e-9))
-    best = _best_subset(x, y, w, required=(1, 4))  # per-token and per-KV-token times are never 0
-    if best is None:
-        # Timings too noisy to show either (a tiny model on a loaded machine): the best of any
-        # subset, with what it left at 0 a floor above it, so that no rate divides by zero.
-        best = _best_subset(x, y, w, required=())
-        if best is None:
-            raise ValueError("no non-negative step model fits the measurements")
-        best[1][[1, 4]] = np.maximum(best[1][[1, 4]], 1e-12)
-    err, coef = best
-    return dict(zip(FEATURES, (float(c) for c in coef))), err
-
-
-def _best_subset(x: np.ndarray, y: np.ndarray, w: np.ndarray, required: tuple[int, ...]
-                 ) -> tuple[float, np.ndarray] | None:
-    """Weighted least squares on every subset of the columns that holds `required`; the best
-    non-negative solution (error, coefficients), or None."""
-    best: tuple[float, np.ndarray] | None = None
+    # Five unknowns: solve on every subset of them and keep the best non-negative solution.
+    fits: list[tuple[float, bool, np.ndarray]] = []  # (error, has both rates, coefficients)
     for k in range(1, x.shape[1] + 1):
         for cols in itertools.combinations(range(x.shape[1]), k):
-            if not set(required) <= set(cols):
-                continue
             sol, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], y * w, rcond=None)
             if (sol < 0).any():
                 continue
             coef = np.zeros(x.shape[1])
             coef[list(cols)] = sol
-            err = float(np.mean(np.abs(x @ coef - y) * w))
-            if best is None or err < best[0]:
-                best = (err, coef)
-    return best
+            fits.append((float(np.mean(np.abs(x @ coef - y) * w)), 1 in cols and 4 in cols, coef))
+    # Per-token and per-KV-token times are never 0: a fit with both, unless the timings are too
+    # noisy to show them (a tiny model on a loaded machine); then the best of any, with those
+    # rates floored above 0 so that no rate divides by zero.
+    if not fits:
+        raise ValueError("no non-negative step model fits the measurements")
+    err, _, coef = min([f for f in fits if f[1]] or fits, key=lambda f: f[0])
+    coef[[1, 4]] = np.maximum(coef[[1, 4]], 1e-12)
+    return dict(zip(FEATURES, (float(c) for c in coef))), err
 
 
 def predict(coef: dict[str, float], s: Sample) -> float:
