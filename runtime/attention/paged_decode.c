@@ -14,8 +14,10 @@
  *   (attend_chunk_bf16): tiles of 16 tokens, one per lane; K is transposed in registers so a
  *   row's 16 scores are bf16 pair dot products (vdpbf16ps) with no horizontal sums, P·V is
  *   vdpbf16ps over token pairs, and every long dependency chain is split in four (~1.5× the
- *   AVX-512 path on a 2-core EPYC); it asks for each head's K and V two tiles ahead (prefetch_kv:
- *   ~1.85× on decode steps whose contexts do not fit in cache);
+ *   AVX-512 path on a 2-core EPYC); query rows go two at a time, so each K and V load serves
+ *   both and their dependency chains interleave (1.3-1.4× on cascade groups and prefill), and
+ *   each head's K and V are asked for two tiles ahead (prefetch_kv: ~1.85× on decode steps whose
+ *   contexts do not fit in cache);
  * - AVX-512 and a head size that is a multiple of 16: explicit 16-lane scores and V sums;
  * - otherwise the plain loops, vectorised by the compiler.
  *
@@ -412,6 +414,75 @@ static inline void pv_accumulate_bf16(float *acc, float corr, const uint32_t *pp
     }
 }
 
+/* pv_accumulate_bf16 for two rows at once: each V pair loaded once serves both, and the two
+ * rows' eight dpbf16 chains hide each other's latency. npairs: the longer row's (P is zero past
+ * a row's own tokens). */
+static inline void pv_accumulate2_bf16(float *acc_a, float corr_a, const uint32_t *pp_a,
+                                       float *acc_b, float corr_b, const uint32_t *pp_b,
+                                       const uint16_t *vi, int npairs, int hd) {
+    const __m512 ca = _mm512_set1_ps(corr_a), cb = _mm512_set1_ps(corr_b);
+    for (int d = 0; d < hd; d += 32) {
+        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc_a + d), ca);
+        __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(acc_a + d + 16), ca);
+        __m512 b0 = _mm512_mul_ps(_mm512_loadu_ps(acc_b + d), cb);
+        __m512 b1 = _mm512_mul_ps(_mm512_loadu_ps(acc_b + d + 16), cb);
+        for (int k = 0; k < npairs; k++) {
+            const uint16_t *v = vi + ((size_t)k * hd + d) * 2;
+            __m512bh v0 = (__m512bh)_mm512_loadu_si512(v), v1 = (__m512bh)_mm512_loadu_si512(v + 32);
+            __m512bh wa = (__m512bh)_mm512_set1_epi32((int)pp_a[k]);
+            __m512bh wb = (__m512bh)_mm512_set1_epi32((int)pp_b[k]);
+            a0 = _mm512_dpbf16_ps(a0, wa, v0);
+            a1 = _mm512_dpbf16_ps(a1, wa, v1);
+            b0 = _mm512_dpbf16_ps(b0, wb, v0);
+            b1 = _mm512_dpbf16_ps(b1, wb, v1);
+        }
+        _mm512_storeu_ps(acc_a + d, a0);
+        _mm512_storeu_ps(acc_a + d + 16, a1);
+        _mm512_storeu_ps(acc_b + d, b0);
+        _mm512_storeu_ps(acc_b + d + 16, b1);
+    }
+}
+
+/* The scaled scores of query rows qa and (if qb) qb against a tile's transposed K kt [hd/2 pairs]
+ * [16 tokens], -inf past each row's valid tokens: bf16 pair dot products (vdpbf16ps), four
+ * chains a row, each K pair loaded once for both rows. */
+static inline void tile_scores(const uint32_t *qa, const uint32_t *qb, const uint32_t *kt,
+                               int pairs, float scale, __mmask16 valid_a, __mmask16 valid_b,
+                               __m512 *sa, __m512 *sb) {
+    __m512 a[4], b[4];
+    for (int u = 0; u < 4; u++) a[u] = b[u] = _mm512_setzero_ps();
+    for (int i = 0; i < pairs; i += 4)
+        for (int u = 0; u < 4; u++) {
+            __m512bh k = (__m512bh)_mm512_loadu_si512(kt + (size_t)(i + u) * TILE);
+            a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_set1_epi32((int)qa[i + u]), k);
+            if (qb) b[u] = _mm512_dpbf16_ps(b[u], (__m512bh)_mm512_set1_epi32((int)qb[i + u]), k);
+        }
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 x = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+    *sa = _mm512_mask_blend_ps(valid_a, ninf, _mm512_mul_ps(x, vscale));
+    if (qb) {
+        x = _mm512_add_ps(_mm512_add_ps(b[0], b[1]), _mm512_add_ps(b[2], b[3]));
+        *sb = _mm512_mask_blend_ps(valid_b, ninf, _mm512_mul_ps(x, vscale));
+    }
+}
+
+/* One row's online softmax step over a tile's scores sc: updates its running max and sum,
+ * writes P (rounded to bf16, as flash attention does on GPUs) as token pairs into pp, and
+ * returns the factor its accumulated V sum must be scaled by. The sum adds the rounded values,
+ * so the weights still sum to one. */
+static inline float tile_softmax(__m512 sc, __mmask16 valid, float *mx, float *sum, uint32_t *pp) {
+    float m = _mm512_reduce_max_ps(sc);
+    m = m > *mx ? m : *mx;
+    float corr = expf(*mx - m); /* *mx = -inf at the first tile: 0 */
+    __m512 e = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+    __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+    __m512 er = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
+    *sum = *sum * corr + _mm512_reduce_add_ps(er);
+    *mx = m;
+    _mm256_storeu_si256((__m256i *)pp, pb);
+    return corr;
+}
+
 /* One KV head's attention for bf16 with hd a multiple of 32 on a CPU with AVX512-BF16: query
  * rows q [rows, hd] (unscaled) over the keys [t_begin, t_end) of one sequence, row j stopping at
  * row_end[j] (exclusive; NULL: all at t_end), into unnormalised acc [rows, hd], running max and
@@ -425,13 +496,12 @@ static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, fl
                              const int32_t *pages, int t_begin, int t_end, int hd, int ps,
                              float *acc, float *mx, float *sum, uint32_t *kt, float *vb) {
     int pairs = hd / 2;
-    uint32_t pp[TILE / 2]; /* P of tokens 2k, 2k+1 as one bf16 pair */
+    uint32_t pp[TILE / 2], pp2[TILE / 2]; /* P of tokens 2k, 2k+1 as one bf16 pair */
     uint16_t *vi = (uint16_t *)vb; /* [TILE / 2][hd][2] bf16: V of token pairs, interleaved */
     size_t off[TILE];
     const __m512i lo = _mm512_loadu_si512(INTERLEAVE_LO), hi = _mm512_loadu_si512(INTERLEAVE_HI);
     memset(acc, 0, sizeof(float) * (size_t)rows * hd);
     for (int j = 0; j < rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
-    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     int page = t_begin / ps, slot = t_begin % ps;
     for (int t0 = t_begin; t0 < t_end; t0 += TILE) {
         int n = t_end - t0 < TILE ? t_end - t0 : TILE;
@@ -461,34 +531,27 @@ static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, fl
                 _mm512_storeu_si512(vi + ((size_t)(t / 2) * hd + d + 16) * 2, _mm512_permutex2var_epi16(a, hi, b));
             }
         }
-        for (int j = 0; j < rows; j++) {
-            int nj = n;
-            if (row_end) {
-                if (row_end[j] <= t0) continue;
-                nj = row_end[j] - t0 < n ? row_end[j] - t0 : n;
+        for (int j = 0; j < rows; j++) { /* rows two at a time: each K and V load serves both */
+            if (row_end && row_end[j] <= t0) continue;
+            int j2 = j + 1; /* the next row that reads this tile */
+            while (row_end && j2 < rows && row_end[j2] <= t0) j2++;
+            int two = j2 < rows;
+            int na = row_end && row_end[j] - t0 < n ? row_end[j] - t0 : n;
+            int nb = two && row_end && row_end[j2] - t0 < n ? row_end[j2] - t0 : n;
+            __mmask16 mask_a = (__mmask16)((1u << na) - 1), mask_b = (__mmask16)((1u << nb) - 1);
+            __m512 sa, sb = _mm512_setzero_ps();
+            tile_scores((const uint32_t *)(q + (size_t)j * hd),
+                        two ? (const uint32_t *)(q + (size_t)j2 * hd) : NULL, kt, pairs, scale,
+                        mask_a, mask_b, &sa, &sb);
+            float ca = tile_softmax(sa, mask_a, mx + j, sum + j, pp);
+            if (!two) {
+                pv_accumulate_bf16(acc + (size_t)j * hd, ca, pp, vi, (na + 1) / 2, hd);
+                break;
             }
-            __mmask16 valid = (__mmask16)((1u << nj) - 1);
-            const uint32_t *qj = (const uint32_t *)(q + (size_t)j * hd);
-            __m512 s4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                            _mm512_setzero_ps()}; /* four chains: dpbf16's latency hidden */
-            for (int i = 0; i < pairs; i += 4)
-                for (int u = 0; u < 4; u++)
-                    s4[u] = _mm512_dpbf16_ps(s4[u], (__m512bh)_mm512_set1_epi32((int)qj[i + u]),
-                                             (__m512bh)_mm512_loadu_si512(kt + (size_t)(i + u) * TILE));
-            __m512 sc = _mm512_add_ps(_mm512_add_ps(s4[0], s4[1]), _mm512_add_ps(s4[2], s4[3]));
-            sc = _mm512_mask_blend_ps(valid, ninf, _mm512_mul_ps(sc, vscale));
-            float m = _mm512_reduce_max_ps(sc);
-            m = m > mx[j] ? m : mx[j];
-            float corr = expf(mx[j] - m); /* mx[j] = -inf at the first tile: 0 */
-            __m512 e = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
-            /* P is rounded to bf16 for the V products (as flash attention does on GPUs); the
-             * row sum adds the rounded values, so the weights still sum to one */
-            __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
-            __m512 er = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
-            sum[j] = sum[j] * corr + _mm512_reduce_add_ps(er);
-            mx[j] = m;
-            _mm256_storeu_si256((__m256i *)pp, pb);
-            pv_accumulate_bf16(acc + (size_t)j * hd, corr, pp, vi, (nj + 1) / 2, hd);
+            float cb = tile_softmax(sb, mask_b, mx + j2, sum + j2, pp2);
+            pv_accumulate2_bf16(acc + (size_t)j * hd, ca, pp, acc + (size_t)j2 * hd, cb, pp2, vi,
+                                ((na > nb ? na : nb) + 1) / 2, hd);
+            j = j2;
         }
     }
 }
