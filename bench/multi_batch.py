@@ -75,7 +75,8 @@ def phase(name: str, groups: list[tuple[str, list[dict[str, Any]]]],
                 ids.append((project, r.json()["id"]))
             done: dict[str, dict[str, Any]] = {}
             while len(done) < len(ids):
-                assert server.alive(), server.tail()
+                if not server.alive():
+                    raise RuntimeError(f"the server exited:\n{server.tail()}")
                 for project, bid in ids:
                     if bid not in done:
                         b = clients[project].get(f"/v1/batches/{bid}").json()

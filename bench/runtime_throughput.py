@@ -83,7 +83,8 @@ def run_ours(model, workload, args) -> tuple[float, int]:
     t0 = time.perf_counter()
     tokens = 0
     for res in run_lines(lines, engine, endpoint="/v1/chat/completions", policy=args.policy):
-        assert res.ok, res.record
+        if not res.ok:
+            raise RuntimeError(f"request failed: {res.record}")
         tokens += res.output_tokens
     dt = time.perf_counter() - t0
     print(f"  ours: {engine.stats}", file=sys.stderr)
@@ -108,7 +109,8 @@ def run_hf_static(hf, prompts, max_tokens, pad_id: int) -> tuple[float, int]:
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
             out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ds),
                               min_new_tokens=max(ds), do_sample=False, pad_token_id=pad_id)
-            assert out.shape[1] == width + max(ds)
+            if out.shape[1] != width + max(ds):
+                raise RuntimeError(f"HF generate stopped early: {out.shape[1] - width} of {max(ds)} tokens")
             tokens += sum(ds)
     return time.perf_counter() - t0, tokens
 
@@ -125,7 +127,8 @@ def run_hf_cb(hf, prompts, max_tokens) -> tuple[float, int]:
             mgr.add_request(p, request_id=f"r{i}", max_new_tokens=d)
         for _ in range(len(prompts)):
             res = mgr.get_result(timeout=7200)  # the first result can take many minutes on CPU
-            assert res is not None, "transformers CB returned no result"
+            if res is None:
+                raise RuntimeError("transformers CB returned no result")
             tokens += len(res.generated_tokens)
     return time.perf_counter() - t0, tokens
 

@@ -46,7 +46,9 @@ class PagedKVPool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ) -> None:
-        assert num_pages >= 1 and page_size >= 1
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"a KV pool needs at least one page of at least one slot, not "
+                             f"{num_pages} pages of {page_size}")
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
