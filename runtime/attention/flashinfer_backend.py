@@ -43,7 +43,8 @@ def paged_index(kv_lens: Sequence[int], page_tables: Sequence[Sequence[int]],
     indptr, indices, last = [0], [], []  # type: list[int], list[int], list[int]
     for kv, table in zip(kv_lens, page_tables):
         n = -(-kv // page_size)  # pages holding kv tokens
-        assert kv >= 1 and len(table) >= n, "a sequence's pages must cover its context"
+        if kv < 1 or len(table) < n:
+            raise ValueError(f"a sequence's pages must cover its context: {kv} tokens, {len(table)} pages of {page_size}")
         indices.extend(table[:n])
         indptr.append(indptr[-1] + n)
         last.append(kv - (n - 1) * page_size)

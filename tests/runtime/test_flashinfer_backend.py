@@ -73,7 +73,7 @@ def test_a_chunk_that_fills_its_last_page_exactly_has_a_full_last_page() -> None
 
 
 def test_too_few_pages_for_the_context_is_a_bug() -> None:
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="cover its context"):
         paged_index([9], [[1, 2]], 4)
 
 
