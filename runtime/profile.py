@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from runtime.attention import AttentionBatch, cpu_kernel
 from runtime.types import EngineRequest, SamplingParams, StepRecord
@@ -253,6 +254,7 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         "cascade": device.type == "cpu" and engine.attn.name == "torch",
         "attention": attention_kind(engine),
         "kernel": _kernel_id(engine),  # a rebuilt kernel (new source or flags) is measured anew
+        "linear": linear_kind(engine),  # so are GEMMs on other weights (packed or plain)
         "step_model": coef,
         # Datasheet-style equivalents, for readers and older tools.
         "flops": 2.0 * _params(cfg) / coef["s_per_token"],
@@ -282,11 +284,12 @@ def _longest_prompt(engine: Engine) -> int:
 
 def covers(profile: dict[str, Any], engine: Engine) -> bool:
     """Whether a cached profile measured at least what `engine` would: as many step shapes, as
-    long calibration prompts and as large steps, with the same CPU kernel build. An engine with a
-    small KV pool, context or step cap (a test's) measures a few small shapes; its profile must
-    not stand in for a full one."""
+    long calibration prompts and as large steps, with the same CPU kernel build and GEMM path.
+    An engine with a small KV pool, context or step cap (a test's) measures a few small shapes;
+    its profile must not stand in for a full one."""
     fit = profile.get("fit", {})
     return (profile.get("kernel") == _kernel_id(engine)
+            and profile.get("linear") == linear_kind(engine)
             and fit.get("shapes", 0) >= len(_shapes(engine))
             and fit.get("longest_prompt", 0) >= _longest_prompt(engine)
             and fit.get("step_tokens", 0) >= min(engine.config.max_batch_tokens, FULL_STEP_TOKENS))
@@ -308,6 +311,12 @@ def attention_kind(engine: Engine) -> str:
     if getattr(attn, "decode_kernel", None) is None:
         return "torch-gather"
     return "torch-paged" if getattr(attn, "prefill_kernel", False) else "torch-paged-decode"
+
+
+def linear_kind(engine: Engine) -> str:
+    """How the model's GEMMs run: `onednn-packed` (weights reordered at load, runtime/model.py)
+    or `plain` (F.linear)."""
+    return "plain" if engine.model.linear is F.linear else "onednn-packed"
 
 
 def _kernel_id(engine: Engine) -> str | None:

@@ -78,6 +78,32 @@ def test_random_weights_have_the_config_shapes() -> None:
     assert model.layers[0]["qkv"].shape == ((4 + 2 * 2) * 16, 64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_cpu_weights_give_the_plain_weights_logits(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.model import pack_cpu_weights
+
+    if not pack_cpu_weights(dtype):
+        pytest.skip("this torch build cannot pack linear weights for oneDNN here")
+    hf = hf_model("qwen2")  # tied embeddings and a qkv bias: both go through the packed path
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    packed = LlamaModel(cfg, hf.state_dict(), dtype=dtype)
+    monkeypatch.setenv("BLENDSERVE_PACKED_WEIGHTS", "0")
+    plain = LlamaModel(cfg, hf.state_dict(), dtype=dtype)
+    assert packed.layers[0]["gate_up"].is_mkldnn and packed.lm_head is not packed.embed
+    assert not plain.layers[0]["gate_up"].is_mkldnn and plain.lm_head is plain.embed
+    outs = []
+    for model in (packed, plain):
+        pool = PagedKVPool(num_layers=cfg.num_layers, num_pages=16, page_size=4,
+                           kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype)
+        attn = make_backend("torch", pool, num_heads=cfg.num_heads, scale=cfg.head_dim**-0.5)
+        batch = AttentionBatch(q_lens=[9], kv_lens=[9], page_tables=[[0, 1, 2]], num_decode=0)
+        ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2))
+        outs.append(model.forward(ids, torch.arange(9), attn, attn.plan(batch), torch.arange(9)))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
+
+
 def test_backend_registry_knows_torch_and_rejects_unknown_names() -> None:
     assert "torch" in available_backends()
     pool = PagedKVPool(num_layers=1, num_pages=1, page_size=1, kv_heads=1, head_dim=1,

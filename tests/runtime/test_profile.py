@@ -18,6 +18,7 @@ from runtime.profile import (
     cost_model_from_profile,
     covers,
     fit,
+    linear_kind,
     load_or_measure,
     measure,
     predict,
@@ -108,6 +109,17 @@ def test_the_profile_is_measured_once_and_cached_by_model_device_dtype_threads(
     assert path.name.startswith("tiny-cpu-float32-t")
     again, path2, fresh2 = load_or_measure(engine, tmp_path)
     assert not fresh2 and path2 == path and again == first
+
+
+def test_a_profile_measured_on_plain_gemm_weights_does_not_serve_packed_ones(
+        tmp_path: Path) -> None:
+    """The GEMM path (weights packed for oneDNN at load, or plain) changes every step's time:
+    a profile of one is measured anew for the other."""
+    engine = make_engine(pages=4096, max_batch_tokens=512)
+    profile, _, _ = load_or_measure(engine, tmp_path)
+    assert covers(profile, engine) and profile["linear"] == linear_kind(engine)
+    other = "plain" if profile["linear"] != "plain" else "onednn-packed"
+    assert not covers({**profile, "linear": other}, engine)
 
 
 def test_a_small_engines_cached_profile_does_not_stand_in_for_a_full_one(tmp_path: Path) -> None:
