@@ -27,6 +27,11 @@ from runtime.config import ModelConfig
 log = logging.getLogger(__name__)
 
 LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")  # the per-layer GEMM weights
+# A CPU step's norms, GEMMs and activations run this many rows at a time: a 2,048-row step's
+# [rows, 2·intermediate] activations (12 MB for SmolLM2) spill out of cache, and its elementwise
+# ops (SiLU, products, the norms' fp32 squares) took 3x the time of four 512-row slices. The
+# slices made a long-prompt workload 7% faster on a 2-core EPYC (1,024 and 512 rows alike).
+CPU_ROW_CHUNK = 1024
 Linear = Callable[..., torch.Tensor]  # (x [T, in], weight, bias=None) -> [T, out]
 
 
@@ -142,6 +147,8 @@ class LlamaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.linear: Linear = F.linear
+        # CPU: the per-row work of a large step in slices of CPU_ROW_CHUNK rows (see forward)
+        self.row_chunk: int | None = CPU_ROW_CHUNK if self.device.type == "cpu" else None
         if self.device.type == "cpu" and pack_cpu_weights(dtype):
             self._pack_weights()
 
@@ -202,9 +209,18 @@ class LlamaModel:
         """input_ids, positions: [T]; logits_idx: [R] rows to project -> logits [R, V] float32."""
         cos, sin = self.rope(positions)  # [T, 1, hd/2]
         x = self.embed[input_ids]  # [T, hidden]
+        n = self.row_chunk  # attention takes the whole step; the rest goes n rows at a time
+        if n is None or x.shape[0] <= n:
+            for i in range(len(self.layers)):
+                q, k, v = self.layer_pre(i, x, cos, sin)
+                x = self.layer_post(i, x, attn.forward(i, q, k, v, plan))
+            return self.logits(x, logits_idx)
+        rows = [slice(a, a + n) for a in range(0, x.shape[0], n)]
         for i in range(len(self.layers)):
-            q, k, v = self.layer_pre(i, x, cos, sin)
-            x = self.layer_post(i, x, attn.forward(i, q, k, v, plan))
+            parts = [self.layer_pre(i, x[r], cos[r], sin[r]) for r in rows]
+            q, k, v = (torch.cat(p) for p in zip(*parts))
+            o = attn.forward(i, q, k, v, plan)
+            x = torch.cat([self.layer_post(i, x[r], o[r]) for r in rows])
         return self.logits(x, logits_idx)
 
     # The forward in phases: compute-bound GEMMs (pre, post) around the memory-bound attention,

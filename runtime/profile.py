@@ -254,7 +254,7 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         "cascade": device.type == "cpu" and engine.attn.name == "torch",
         "attention": attention_kind(engine),
         "kernel": _kernel_id(engine),  # a rebuilt kernel (new source or flags) is measured anew
-        "linear": linear_kind(engine),  # so are GEMMs on other weights (packed or plain)
+        "linear": linear_kind(engine),  # so are GEMMs run another way (packed, row slices)
         "step_model": coef,
         # Datasheet-style equivalents, for readers and older tools.
         "flops": 2.0 * _params(cfg) / coef["s_per_token"],
@@ -315,8 +315,10 @@ def attention_kind(engine: Engine) -> str:
 
 def linear_kind(engine: Engine) -> str:
     """How the model's GEMMs run: `onednn-packed` (weights reordered at load, runtime/model.py)
-    or `plain` (F.linear)."""
-    return "plain" if engine.model.linear is F.linear else "onednn-packed"
+    or `plain` (F.linear), and `/rows<n>` when a large step runs n rows at a time."""
+    kind = "plain" if engine.model.linear is F.linear else "onednn-packed"
+    rows = engine.model.row_chunk
+    return kind if rows is None else f"{kind}/rows{rows}"
 
 
 def _kernel_id(engine: Engine) -> str | None:

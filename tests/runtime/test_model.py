@@ -104,6 +104,25 @@ def test_prepacked_cpu_weights_give_the_plain_weights_logits(
     torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
 
 
+def test_a_step_run_in_row_slices_gives_the_whole_steps_logits() -> None:
+    """On a CPU a large step's per-row work runs CPU_ROW_CHUNK rows at a time (attention over
+    the whole step): the logits are the whole step's, however the slices cut its sequences."""
+    hf = hf_model("llama")
+    model, pool = ours(hf)
+    cfg = model.config
+    assert model.row_chunk is not None  # on by default on the CPU
+    attn = make_backend("torch", pool, num_heads=cfg.num_heads, scale=cfg.head_dim**-0.5)
+    ids = torch.randint(0, 300, (23,), generator=torch.Generator().manual_seed(3))
+    batch = AttentionBatch(q_lens=[1, 10, 12], kv_lens=[5, 10, 12],
+                           page_tables=[[0, 1], [2, 3, 4], [5, 6, 7]], num_decode=1)
+    pos = torch.cat([torch.tensor([4]), torch.arange(10), torch.arange(12)])
+    outs = []
+    for rows in (None, 4):  # 4 rows: slices cut across the decode and both prompts
+        model.row_chunk = rows
+        outs.append(model.forward(ids, pos, attn, attn.plan(batch), torch.arange(23)))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
 def test_backend_registry_knows_torch_and_rejects_unknown_names() -> None:
     assert "torch" in available_backends()
     pool = PagedKVPool(num_layers=1, num_pages=1, page_size=1, kv_heads=1, head_dim=1,
