@@ -17,6 +17,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,16 @@ def pack_cpu_weights(dtype: torch.dtype) -> bool:
         log.info("plain linear weights: oneDNN packing unavailable (%s)", e)
         return False
     return bool(torch.allclose(got, F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2))
+
+
+def _by_rows(rows: list[slice], fn: Callable[..., Any], layer: int, *xs: torch.Tensor) -> Any:
+    """fn(layer, *xs) on each slice of rows of xs, the results concatenated (one slice: as is)."""
+    if len(rows) == 1:
+        return fn(layer, *xs)
+    parts = [fn(layer, *(x[r] for x in xs)) for r in rows]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return torch.cat(parts)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -209,18 +220,12 @@ class LlamaModel:
         """input_ids, positions: [T]; logits_idx: [R] rows to project -> logits [R, V] float32."""
         cos, sin = self.rope(positions)  # [T, 1, hd/2]
         x = self.embed[input_ids]  # [T, hidden]
-        n = self.row_chunk  # attention takes the whole step; the rest goes n rows at a time
-        if n is None or x.shape[0] <= n:
-            for i in range(len(self.layers)):
-                q, k, v = self.layer_pre(i, x, cos, sin)
-                x = self.layer_post(i, x, attn.forward(i, q, k, v, plan))
-            return self.logits(x, logits_idx)
-        rows = [slice(a, a + n) for a in range(0, x.shape[0], n)]
+        # attention takes the whole step; the rest goes row_chunk rows at a time
+        t, n = x.shape[0], self.row_chunk or x.shape[0]
+        rows = [slice(a, a + n) for a in range(0, t, n)]
         for i in range(len(self.layers)):
-            parts = [self.layer_pre(i, x[r], cos[r], sin[r]) for r in rows]
-            q, k, v = (torch.cat(p) for p in zip(*parts))
-            o = attn.forward(i, q, k, v, plan)
-            x = torch.cat([self.layer_post(i, x[r], o[r]) for r in rows])
+            q, k, v = _by_rows(rows, self.layer_pre, i, x, cos, sin)
+            x = _by_rows(rows, self.layer_post, i, x, attn.forward(i, q, k, v, plan))
         return self.logits(x, logits_idx)
 
     # The forward in phases: compute-bound GEMMs (pre, post) around the memory-bound attention,

@@ -42,31 +42,6 @@
 
 #define BLOCK 32 /* tokens converted to fp32 and scored at once */
 
-/* Ask for the K and V of tokens [t, t_end) of one sequence (heads h0 .. h1 - 1, elements of
- * esize bytes), token t at page, slot of its page table, to be brought into cache (L1 with
- * near, else L2) ahead of their use. Decode attention is a stream of reads scattered over pages
- * that the hardware prefetcher does not follow from one page to the next: without this a core
- * waits on DRAM at every tile (bf16 decode attention ran at 14 GB/s, with it 25, on a 2-core
- * EPYC whose stream read is 40). */
-static inline void prefetch_kv(const void *k_cache, const void *v_cache, const int32_t *pages,
-                               int page, int slot, int t, int t_end, int ps, int kvh, int hd,
-                               int h0, int h1, size_t esize, int near) {
-    size_t bytes = (size_t)(h1 - h0) * hd * esize;
-    for (; t < t_end; t++) {
-        size_t o = (((size_t)pages[page] * ps + slot) * kvh + h0) * hd * esize;
-        for (size_t b = 0; b < bytes; b += 64) {
-            if (near) {
-                __builtin_prefetch((const char *)k_cache + o + b, 0, 3);
-                __builtin_prefetch((const char *)v_cache + o + b, 0, 3);
-            } else {
-                __builtin_prefetch((const char *)k_cache + o + b, 0, 2);
-                __builtin_prefetch((const char *)v_cache + o + b, 0, 2);
-            }
-        }
-        if (++slot == ps) { slot = 0; page++; }
-    }
-}
-
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
     return v.f;
@@ -174,12 +149,8 @@ static void attend_chunk(const float *qf, int kvh, int rows, const void *k_cache
     float s[BLOCK];
     memset(acc, 0, sizeof(float) * (size_t)n_rows * hd);
     for (int j = 0; j < n_rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
-    size_t esize = bf16 ? sizeof(uint16_t) : sizeof(float);
     for (int t0 = t_begin; t0 < t_end; t0 += BLOCK) {
         int n = t_end - t0 < BLOCK ? t_end - t0 : BLOCK;
-        int next = t0 + BLOCK, next_end = next + BLOCK < t_end ? next + BLOCK : t_end;
-        prefetch_kv(k_cache, v_cache, pages, next / ps, next % ps, next, next_end, ps, kvh, hd,
-                    0, kvh, esize, 0);
         for (int t = 0; t < n; t++) {
             int pos = t0 + t;
             size_t off = ((size_t)pages[pos / ps] * ps + pos % ps) * kvh * hd;
@@ -327,6 +298,23 @@ static void attend_head_generic(const float *qf, int rows, const int *row_end, i
 #ifdef __AVX512BF16__
 #define TILE 16 /* tokens per tile of the bf16 path: one zmm lane each */
 #define PREFETCH_TILES 2 /* how far ahead the bf16 path asks for K and V (fastest of 1-4) */
+
+/* Ask for head h's K and V (bf16) of tokens [t, t_end) of one sequence to be brought into L1
+ * ahead of their use. Decode attention is a stream of reads scattered over pages that the
+ * hardware prefetcher does not follow from one page to the next: without this a core waits on
+ * DRAM at every tile (bf16 decode attention ran at 14 GB/s, with it 25, on a 2-core EPYC whose
+ * stream read is 40). The fp32 path is compute-bound here: prefetching gained it nothing. */
+static inline void prefetch_kv(const uint16_t *k_cache, const uint16_t *v_cache,
+                               const int32_t *pages, int t, int t_end, int ps, int kvh, int hd,
+                               int h) {
+    for (; t < t_end; t++) {
+        size_t o = (((size_t)pages[t / ps] * ps + t % ps) * kvh + h) * hd;
+        for (int b = 0; b < hd; b += 32) { /* 32 bf16: one 64-byte line */
+            __builtin_prefetch(k_cache + o + b, 0, 3);
+            __builtin_prefetch(v_cache + o + b, 0, 3);
+        }
+    }
+}
 
 /* exp(x) for x <= 0, 16 lanes: the polynomial of exp_nonpos, 2^n applied by scalef. */
 static inline __m512 exp512_nonpos(__m512 x) {
@@ -508,8 +496,7 @@ static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, fl
         /* the next PREFETCH_TILES tiles (each asked for more than once: fewer of them dropped) */
         int pf = t0 == t_begin ? t0 : t0 + TILE;
         int pf_end = t0 + (PREFETCH_TILES + 1) * TILE < t_end ? t0 + (PREFETCH_TILES + 1) * TILE : t_end;
-        prefetch_kv(k_cache, v_cache, pages, pf / ps, pf % ps, pf, pf_end, ps, kvh, hd, h, h + 1,
-                    sizeof(uint16_t), 1);
+        prefetch_kv(k_cache, v_cache, pages, pf, pf_end, ps, kvh, hd, h);
         for (int t = 0; t < n; t++) { /* consecutive positions: walk the page table */
             off[t] = (((size_t)pages[page] * ps + slot) * kvh + h) * hd;
             if (++slot == ps) { slot = 0; page++; }
