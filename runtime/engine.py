@@ -432,7 +432,10 @@ class Engine:
             if candidates:
                 seq = candidates.pop(0)
             elif waiting:
-                seq = waiting.popleft()
+                seq = waiting[0]
+                if running and not self._prompt_fits(seq, len(running)):
+                    break  # it starts once its whole prompt fits (see _prompt_fits)
+                waiting.popleft()
                 self._start(seq)
                 running.append(seq)
             else:
@@ -453,6 +456,18 @@ class Engine:
         # the attention backend wants single-token sequences first
         batch.sort(key=lambda e: e[1] != 1)
         return batch
+
+    def _prompt_fits(self, seq: _Seq, growing: int) -> bool:
+        """Whether a waiting sequence's uncached prompt fits in the free and evictable pages,
+        beside the pages `growing` running sequences take as they decode while it prefills.
+        Started on less, its prefill would take what is free, and the next decode step that
+        runs out would preempt it (the newest), over and over, each time recomputing it."""
+        ps = self.pool.page_size
+        pages, _ = self.cache.match_prefix(seq.tokens, (len(seq.tokens) - 1) // ps)
+        todo = len(seq.tokens) - len(pages) * ps
+        steps = -(-todo // self.config.max_batch_tokens) + 1
+        need = -(-todo // ps) + growing * -(-steps // ps)
+        return need <= self.pool.num_free + self.cache.evictable_pages
 
     def _free_pages(self, need: int) -> bool:
         """Make `need` pages free, evicting unlocked cache leaves if needed."""

@@ -184,6 +184,7 @@ class BlendPolicy:
         self._overrun = 1.0  # critical-path allowance for overruns (estimate.overrun_factor)
         # Running requests: request -> [side, reserved KV, p, d̂, generated, d̂ allowing overrun].
         self._run: dict[int, list[float]] = {}
+        self._unshared: dict[int, float] = {}  # prompt KV a running request added (sharing order)
         self._used = [0.0, 0.0]  # reserved KV per side
         self._avg_read = 0.0  # Σ (p + d̂/2): steady-state KV read per step
         self._read = 0.0  # Σ (p + g): KV read by the next step
@@ -562,32 +563,41 @@ class BlendPolicy:
         return out
 
     def _admit_in_order(self, budget: StepBudget) -> list[PlanRequest]:
-        """No overlap: the plan's (sharing) order while the KV estimate Σ (computed + d̂/2) fits."""
+        """No overlap: the plan's (sharing) order while the KV the running requests will hold
+        at their peak, as they grow and finish at their estimates (KvPeak), fits. A request
+        counts the prompt tokens it does not share with the one before it; the first counts
+        them all. Admitting on the average occupancy instead overcommits: once the requests
+        grow, the newest is preempted and its prompt and output are computed again."""
         plan = self._plan
         assert plan is not None
         capacity = float(budget.kv_capacity_tokens or self._capacity)
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
-        used = self._used[LEFT] + self._used[RIGHT]
+        peak = self._kv_peak(unshared=True)
         out: list[PlanRequest] = []
         while self._left < self._right:
             pos = self._left
-            need = float(plan.computed[pos] + plan.output[pos] / 2.0)
+            computed = float(plan.computed[pos] if out or self._run else plan.prompt[pos])
+            d = float(plan.output[pos]) * (self._overrun if self._warm_left else 1.0)
             prompt = float(plan.prompt[pos])
-            if (self._run or out) and (used + need > capacity or prompt > free):
+            if (self._run or out) and (peak.with_request(computed, d) > capacity
+                                       or prompt > free):
                 break
             self._left += 1
-            out.append(self._take(pos, LEFT, need))
-            used += need
+            peak.add(computed, d)
+            out.append(self._take(pos, LEFT, computed + float(plan.output[pos]) / 2.0))
+            self._unshared[int(plan.order[pos])] = computed
             free -= prompt
         return out
 
-    def _kv_peak(self) -> KvPeak:
+    def _kv_peak(self, unshared: bool = False) -> KvPeak:
         """The running requests' KV growth and finishes, as their estimates predict (allowing
-        for overruns while censored samples still run: their lengths are lower bounds then)."""
-        rows = list(self._run.values())
+        for overruns while censored samples still run: their lengths are lower bounds then).
+        `unshared`: a request's prompt counts only the tokens it did not share when admitted."""
+        rows = list(self._run.items())
         col = CRIT if self._warm_left else EST
-        held = np.fromiter((row[2] + row[4] for row in rows), np.float64, len(rows))
-        left = np.fromiter((max(row[col] - row[4], 0.0) for row in rows), np.float64, len(rows))
+        held = np.fromiter(((self._unshared.get(i, row[2]) if unshared else row[2]) + row[4]
+                            for i, row in rows), np.float64, len(rows))
+        left = np.fromiter((max(row[col] - row[4], 0.0) for _, row in rows), np.float64, len(rows))
         return KvPeak(held, left)
 
     def _take(self, pos: int, side: int, need: float) -> PlanRequest:
@@ -688,6 +698,7 @@ class BlendPolicy:
         if req is None:
             return
         row = self._run.pop(req, None)
+        self._unshared.pop(req, None)
         if row is not None:
             self._account(row, -1.0)
             self._decoding -= row[4] > 0

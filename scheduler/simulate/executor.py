@@ -215,6 +215,8 @@ class _Run:
         left, done, pairs = tokens, 0, 0
         while left > 0 and self.queue:
             if not self.head_active:
+                if self.running and not self.prompt_fits(self.queue[0]):
+                    break  # it starts once its whole prompt fits (as the engine's)
                 self.activate_head()
             i = self.queue[0]
             target = self.p[i] + self.redo[i]
@@ -241,6 +243,14 @@ class _Run:
             elif take <= 0:
                 break  # out of memory this step
         return done, pairs
+
+    def prompt_fits(self, i: int) -> bool:
+        """The engine's rule (runtime/engine.py `_prompt_fits`): a request starts its prefill
+        only once its uncached prompt fits in what is not pinned, beside the tokens the running
+        requests add as they decode while it prefills."""
+        todo = self.p[i] + self.redo[i] - self.cache.hit(self.cache.path(i))
+        steps = -(-todo // self.cfg.max_step_tokens) + 1
+        return todo + len(self.running) * steps <= self.cap - self.pinned()
 
     def headroom(self) -> int:
         """KV prefill must leave free: this step's decode tokens and the next step's.

@@ -58,6 +58,15 @@ class PrefixCache:
             self._last[node] = now
         return hit
 
+    def hit(self, path: list[int]) -> int:
+        """How many of a path's leading prompt tokens are cached (acquire's hit, nothing pinned)."""
+        hit = 0
+        for node in path:
+            if not self._cached[node]:
+                break
+            hit = self.depth[node]
+        return hit
+
     def fill(self, node: int) -> None:
         """A pinned node's tokens have been prefilled: they are cached from now on."""
         assert not self._cached[node] and self._ref[node] > 0

@@ -248,3 +248,20 @@ def test_the_step_log_counts_a_prefix_shared_by_decodes_once() -> None:
     assert first_decode.decodes == 4
     own = sum(len(p) + 1 - 40 for p in ps)  # past the shared pages: prompt tail + 1 token
     assert first_decode.kv_read == own + 40  # the 10 shared pages read once for the group
+
+
+def test_a_prompt_waits_until_it_fits_beside_the_decodes_instead_of_being_torn_down() -> None:
+    # 24 pages of 4 tokens: "a" grows to 90 tokens (23 pages); "b" needs 10 pages for its prompt.
+    # Started early, b's prefill would take the free pages that a's decodes need next, be
+    # preempted as the newest, and start over; it waits for a to finish instead.
+    reqs = [EngineRequest("a", list(range(1, 61)), SamplingParams(max_tokens=30, temperature=0,
+                                                                  ignore_eos=True)),
+            EngineRequest("b", list(range(61, 101)), SamplingParams(max_tokens=4, temperature=0,
+                                                                    ignore_eos=True))]
+    expected = {k: v.choices[0].token_ids for k, v in run(make_engine(), reqs).items()}
+    tight = make_engine(pages=24)
+    got = run(tight, reqs)
+    assert tight.stats.preemptions == 0
+    assert tight.stats.prefill_tokens == 100  # every prompt token computed once
+    assert {k: v.choices[0].token_ids for k, v in got.items()} == expected
+    assert_no_leaks(tight)

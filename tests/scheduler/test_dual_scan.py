@@ -410,3 +410,18 @@ def test_once_memory_leads_the_compute_side_takes_memory_heavy_requests_longest_
     length = {r.id: r.known_output_len for r in reqs}
     lengths = [length[rid] for rid in order]
     assert lengths == sorted(lengths, reverse=True)
+
+
+def test_without_overlap_blend_admits_what_fits_at_the_kv_peak_not_on_average():
+    from tests.scheduler.factories import toy_cost
+
+    # Each holds 1,000 + 1,500 tokens on average but 4,000 at its end: four fit on average in
+    # 10,000 tokens, and would then outgrow them together (the newest preempted, recomputed).
+    reqs = [make_request(1000, 3000) for _ in range(4)]
+    pol = _policy(reqs, capacity=10_000, cost=toy_cost())
+    assert not pol.blending
+    assert len(pol.admit(make_budget(10_000))) == 2
+    # A shared prefix is held once: the second of two requests adds only its own 100 tokens.
+    shared = [make_request(1000, 3000, prefix=[9] * 900) for _ in range(3)]
+    pol = _policy(shared, capacity=7_200, cost=toy_cost())
+    assert len(pol.admit(make_budget(7_200))) == 2  # 1,000 + 100 + 2 × 3,000

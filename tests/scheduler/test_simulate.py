@@ -398,3 +398,14 @@ def test_with_cascade_attention_decodes_read_a_shared_prefix_once() -> None:
     plain = 3 * (74 + 1)  # each decode reads its prompt and its first token
     assert first_decode_read(False) == pytest.approx(plain)
     assert first_decode_read(True) == pytest.approx(plain - 2 * 64)
+
+
+def test_a_prompt_waits_until_it_fits_beside_the_decodes_instead_of_being_torn_down() -> None:
+    # As the engine (tests/runtime/test_engine.py): "a" grows to 90 of 96 tokens, and "b"'s
+    # 40-token prompt, started beside it, would be torn down as a's decodes need the room.
+    trace = [make_entry("a", tokens(1, 60), 30), make_entry("b", tokens(2, 40), 4)]
+    policy = OneAtATime([e.request for e in trace])
+    policy.admit = lambda budget: [policy.pending.pop(0)] if policy.pending else []  # one a step
+    result = simulate(trace, policy, COST, SimConfig(96, 64))
+    assert result.preemptions == 0 and result.prefill_aborts == 0
+    assert result.prefill_tokens == 100
