@@ -408,7 +408,7 @@ class Engine:
 
     def _schedule(self, pol: AdmissionPolicy, waiting: deque[_Seq],
                   running: list[_Seq]) -> list[tuple[_Seq, int]]:
-        tokens_left = self.config.max_batch_tokens
+        tokens_left, ps = self.config.max_batch_tokens, self.pool.page_size
         # decodes: every running sequence with exactly one token to feed
         decodes = [s for s in running if len(s.tokens) - s.computed == 1 and s.generated > 0]
         while decodes and not self._reserve(decodes):
@@ -433,10 +433,11 @@ class Engine:
                 seq = candidates.pop(0)
             elif waiting:
                 seq = waiting[0]
-                if running and not self._prompt_fits(seq, len(running)):
+                prefix = self.cache.match_prefix(seq.tokens, (len(seq.tokens) - 1) // ps)
+                if running and not self._prompt_fits(seq, len(prefix[0]), len(running)):
                     break  # it starts once its whole prompt fits (see _prompt_fits)
                 waiting.popleft()
-                self._start(seq)
+                self._start(seq, *prefix)
                 running.append(seq)
             else:
                 break
@@ -457,14 +458,13 @@ class Engine:
         batch.sort(key=lambda e: e[1] != 1)
         return batch
 
-    def _prompt_fits(self, seq: _Seq, growing: int) -> bool:
+    def _prompt_fits(self, seq: _Seq, cached_pages: int, growing: int) -> bool:
         """Whether a waiting sequence's uncached prompt fits in the free and evictable pages,
         beside the pages `growing` running sequences take as they decode while it prefills.
         Started on less, its prefill would take what is free, and the next decode step that
         runs out would preempt it (the newest), over and over, each time recomputing it."""
         ps = self.pool.page_size
-        pages, _ = self.cache.match_prefix(seq.tokens, (len(seq.tokens) - 1) // ps)
-        todo = len(seq.tokens) - len(pages) * ps
+        todo = len(seq.tokens) - cached_pages * ps
         steps = -(-todo // self.config.max_batch_tokens) + 1
         need = -(-todo // ps) + growing * -(-steps // ps)
         return need <= self.pool.num_free + self.cache.evictable_pages
@@ -496,10 +496,10 @@ class Engine:
         seq.pages.extend(self.pool.alloc(need))
         return min(want, room + need * ps)
 
-    def _start(self, seq: _Seq) -> None:
-        """Give a waiting sequence its cached prefix (whole pages, at least one token left to run)."""
+    def _start(self, seq: _Seq, pages: list[int], node: RadixNode) -> None:
+        """Give a waiting sequence its cached prefix (`cache.match_prefix`'s pages and node:
+        whole pages, at least one token left to run)."""
         ps = self.pool.page_size
-        pages, node = self.cache.match_prefix(seq.tokens, (len(seq.tokens) - 1) // ps)
         self.cache.lock(node)
         seq.pages, seq.tree_pages, seq.node, seq.computed = pages, len(pages), node, len(pages) * ps
         if seq.group.cached_tokens < 0:

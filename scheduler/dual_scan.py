@@ -572,7 +572,7 @@ class BlendPolicy:
         assert plan is not None
         capacity = float(budget.kv_capacity_tokens or self._capacity)
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
-        peak = self._kv_peak(unshared=True)
+        peak = self._kv_peak()
         out: list[PlanRequest] = []
         while self._left < self._right:
             pos = self._left
@@ -589,14 +589,14 @@ class BlendPolicy:
             free -= prompt
         return out
 
-    def _kv_peak(self, unshared: bool = False) -> KvPeak:
+    def _kv_peak(self) -> KvPeak:
         """The running requests' KV growth and finishes, as their estimates predict (allowing
         for overruns while censored samples still run: their lengths are lower bounds then).
-        `unshared`: a request's prompt counts only the tokens it did not share when admitted."""
+        A request admitted in sharing order (_admit_in_order) counts only its unshared prompt."""
         rows = list(self._run.items())
         col = CRIT if self._warm_left else EST
-        held = np.fromiter(((self._unshared.get(i, row[2]) if unshared else row[2]) + row[4]
-                            for i, row in rows), np.float64, len(rows))
+        held = np.fromiter((self._unshared.get(i, row[2]) + row[4] for i, row in rows),
+                           np.float64, len(rows))
         left = np.fromiter((max(row[col] - row[4], 0.0) for _, row in rows), np.float64, len(rows))
         return KvPeak(held, left)
 
