@@ -17,6 +17,7 @@ replays it.
 
     python bench/cpu_policies.py                          # all three workloads (~30 min)
     python bench/cpu_policies.py --workloads chat --caps 2048
+    python bench/cpu_policies.py --workloads chat --kv-memory 300000000   # KV-bound
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from bench import cpu_workloads
 BLENDSERVE = str(Path(sys.executable).with_name("blendserve"))
 
 
-def run_one(inp: Path, out_dir: Path, policy: str | None, cap: int | None) -> dict[str, Any]:
+def run_one(inp: Path, out_dir: Path, policy: str | None, cap: int | None,
+            kv_memory: int | None = None) -> dict[str, Any]:
     """One `blendserve run`; returns its plan report plus the process's own wall time."""
     tag = f"{inp.stem}-{policy or 'default'}-{cap or 'default'}"
     report = out_dir / f"{tag}.report.json"
@@ -48,6 +50,8 @@ def run_one(inp: Path, out_dir: Path, policy: str | None, cap: int | None) -> di
         cmd += ["--policy", policy]
     if cap:
         cmd += ["--max-step-tokens", str(cap)]
+    if kv_memory:
+        cmd += ["--kv-memory", str(kv_memory)]
     started = time.monotonic()
     subprocess.run(cmd, check=True, cwd=ROOT, stderr=subprocess.DEVNULL)
     data = json.loads(report.read_text())
@@ -55,6 +59,9 @@ def run_one(inp: Path, out_dir: Path, policy: str | None, cap: int | None) -> di
     # The profile as this run used it (a `blendserve profile` between runs replaces the cache).
     used = out_dir / f"{tag}.profile.json"
     shutil.copyfile(data["profile"]["path"], used)
+    if kv_memory:  # the simulator's KV capacity is the profile's: make it this run's
+        profile = json.loads(used.read_text())
+        used.write_text(json.dumps({**profile, "kv_capacity_bytes": kv_memory}, indent=1))
     data["profile"]["path"] = str(used)
     data["output_file"] = str(out_dir / f"{tag}.out.jsonl")
     data["label"] = f"{policy or 'blend (default flags)'}" + (f" @{cap}" if cap else "")
@@ -106,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predict-from", type=Path, default=None,
                     help="a --json-out of an earlier run: predict its runs again with the "
                          "profile now cached (after `blendserve profile`), without re-running")
+    ap.add_argument("--kv-memory", type=int, default=None,
+                    help="KV pool bytes of every run (`blendserve run --kv-memory`): a small "
+                         "pool makes a workload KV-bound")
     args = ap.parse_args(argv)
     if args.predict_from:
         for name, runs in json.loads(args.predict_from.read_text()).items():
@@ -119,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [(None, None)] + [(p, c) for p in ("fcfs", "dfs") for c in caps]
     for name in args.workloads.split(","):
         inp = paths[name]
-        rounds = [_round(inp, args.out, configs, k) for k in range(args.repeat)]
+        rounds = [_round(inp, args.out, configs, k, args.kv_memory) for k in range(args.repeat)]
         runs = [_best_run([r[i] for r in rounds]) for i in range(len(configs))]
         trace = args.out / f"{name}.trace.jsonl"
         write_trace(inp, Path(runs[0]["output_file"]), trace)
@@ -133,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _round(inp: Path, out_dir: Path, configs: list[tuple[str | None, int | None]],
-           k: int) -> list[dict[str, Any]]:
+           k: int, kv_memory: int | None = None) -> list[dict[str, Any]]:
     """Every configuration once, starting at the k-th (so no policy always runs first in a
     round); the reports come back in `configs` order."""
     n = len(configs)
-    done = {i: run_one(inp, out_dir, *configs[i]) for i in [(k + j) % n for j in range(n)]}
+    done = {i: run_one(inp, out_dir, *configs[i], kv_memory) for i in [(k + j) % n for j in range(n)]}
     return [done[i] for i in range(n)]
 
 
