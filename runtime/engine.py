@@ -60,9 +60,14 @@ class RequestFeed(Protocol):
     def poll(self, idle: bool) -> FeedUpdate: ...
 
 
+CPU_STEP_TOKENS = 8192  # default_step_tokens
+GPU_STEP_TOKENS = 2048
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    max_batch_tokens: int = 2048  # tokens (decode + prefill) per step
+    max_batch_tokens: int = GPU_STEP_TOKENS  # tokens (decode + prefill) per step; the server
+    # picks default_step_tokens(device)
     kv_memory_bytes: int | None = None  # KV pool budget; None = kv_cache.default_kv_memory_bytes
     page_size: int = 16  # tokens per KV page
     device: str = "cpu"
@@ -95,6 +100,16 @@ def _cpu_has_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_step_tokens(device: str) -> int:
+    """The step cap the server uses when none is set: 8,192 tokens on a CPU, 2,048 on a GPU.
+    On a CPU compute and memory do not overlap and every step pays a fixed cost (weights read,
+    launch and Python work) on top of its tokens, so fewer, fuller prefill steps finish sooner:
+    fcfs and dfs ran faster at 8,192 than at 2,048 on every CPU workload we benchmarked. A GPU
+    step overlaps its compute with its KV reads and wants steps sized to hide one under the
+    other (the dual scan paces them), at the 2,048 tokens NanoFlow uses."""
+    return CPU_STEP_TOKENS if device == "cpu" else GPU_STEP_TOKENS
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:

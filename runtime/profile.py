@@ -40,9 +40,10 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 5  # 2: real steps of a representative run in the fit; 3: attention kind;
+PROFILE_VERSION = 6  # 2: real steps of a representative run in the fit; 3: attention kind;
 # 4: what the measurement covered (a small engine's profile no longer serves a full one);
-# 5: the fit weighted by 1/sqrt(seconds), the representative run sized to the device
+# 5: the fit weighted by 1/sqrt(seconds), the representative run sized to the device;
+# 6: the device's default step cap (the simulator's, for this profile)
 FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
 LONG_STEP_S = 0.5  # a step shape whose warm-up took longer is timed once more, not `reps` times
@@ -225,6 +226,8 @@ def calibration_size(coef: dict[str, float], vocab_size: int, max_len: int,
 
 def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
     """Profile `engine` on its device; returns the profile JSON (see module docstring)."""
+    from runtime.engine import default_step_tokens
+
     started = time.perf_counter()
     device = engine.model.device
     shapes = [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in _shapes(engine)]
@@ -261,6 +264,7 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         "bandwidth_bytes_per_s": kv_bytes / coef["s_per_kv_token"],
         "kv_capacity_bytes": engine.kv_capacity_tokens * kv_bytes,
         "batch_multiple": 1 if device.type == "cpu" else 128,
+        "default_step_tokens": default_step_tokens(device.type),  # what `blendserve run` takes
         "model_config": cfg.to_hf(dtype),
         "fit": {"shapes": len(shapes), "longest_prompt": _longest_prompt(engine),
                 "step_tokens": engine.config.max_batch_tokens, "mean_abs_rel_error": fit_error,

@@ -121,6 +121,9 @@ class HardwareProfile:
     # Decode attention reads a prefix its decodes share once per step (the CPU runtime's
     # cascade, scheduler/simulate/cascade.py); the datasheet GPUs are simulated without it.
     cascade: bool = False
+    # The step cap the engine takes on this device when none is set (a measured profile's;
+    # None: the simulator's DEFAULT_MAX_STEP_TOKENS, the GPUs' 2048).
+    default_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.flops <= 0 or self.bandwidth <= 0:
@@ -174,6 +177,7 @@ class HardwareProfile:
             measured=measured,
             model_config=dict(config) if isinstance(config, dict) else None,
             cascade=bool(data.get("cascade", False)),
+            default_step_tokens=data.get("default_step_tokens"),
         )
 
     def idealised(self, *, overlap: float | None = None, free_steps: bool = False) -> HardwareProfile:

@@ -27,7 +27,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--policy", choices=["fcfs", "dfs", "blend"], default="blend")
     run.add_argument("--max-step-tokens", "--max-batch-tokens", dest="max_batch_tokens", type=int,
                      default=None, help="tokens (decode + prefill) an engine step holds at most "
-                                        "(default: BLENDSERVE_MAX_BATCH_TOKENS or 2048); every "
+                                        "(default: BLENDSERVE_MAX_BATCH_TOKENS, else 8192 on "
+                                        "a CPU and 2048 on a GPU); every "
                                         "policy takes it")
     run.add_argument("--kv-memory", type=int, default=None, help="KV cache budget in bytes")
     run.add_argument("--device", default=None, help="auto (default) | cpu | cuda")

@@ -75,7 +75,8 @@ class Settings(BaseSettings):
     max_metadata_value_chars: int = 512
 
     # Engine
-    max_batch_tokens: int = Field(default=2048, ge=1)  # tokens (decode + prefill) per engine step
+    # tokens (decode + prefill) per engine step; None = by device: 8192 on a CPU, 2048 on a GPU
+    max_batch_tokens: int | None = Field(default=None, ge=1)
     kv_memory_bytes: int | None = Field(default=None, ge=1)  # None = the runtime's default budget
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto (flashinfer on CUDA if installed) | torch | flashinfer

@@ -46,7 +46,7 @@ def resolve_device(device: str) -> str:
 def build_engine(settings: Settings, setup: EngineSetup | None = None, *,
                  with_profile: bool = True) -> Engine:
     """Load the model, build the engine, and give it the device profile's cost model."""
-    from runtime.engine import Engine, EngineConfig
+    from runtime.engine import Engine, EngineConfig, default_step_tokens
     from runtime.loader import load_model
 
     s = setup or EngineSetup()
@@ -54,7 +54,8 @@ def build_engine(settings: Settings, setup: EngineSetup | None = None, *,
     model = load_model(s.model or settings.model, data_dir=settings.data_dir)
     device = resolve_device(s.device or settings.device)
     engine = Engine(model, EngineConfig(
-        max_batch_tokens=s.max_batch_tokens or settings.max_batch_tokens,
+        max_batch_tokens=(s.max_batch_tokens or settings.max_batch_tokens
+                          or default_step_tokens(device.split(":")[0])),
         kv_memory_bytes=s.kv_memory_bytes if s.kv_memory_bytes is not None
         else settings.kv_memory_bytes,
         device=device,

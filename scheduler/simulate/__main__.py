@@ -79,9 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dp-cut", choices=("stratified", "sampled"), default="stratified",
                     help="shard by prefix-tree branches, or by a plan from a warm-up sample")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-step-tokens", type=int, default=DEFAULT_MAX_STEP_TOKENS,
+    ap.add_argument("--max-step-tokens", type=int, default=None,
                     help="tokens (decode + prefill) a step holds at most, as the engine's "
-                         "max_batch_tokens / `blendserve run --max-step-tokens`")
+                         "max_batch_tokens / `blendserve run --max-step-tokens` (default: the "
+                         f"profile's device default, 8192 on a CPU; else {DEFAULT_MAX_STEP_TOKENS})")
     ap.add_argument("--weight-reads", action="store_true",
                     help="no-op: weights are read every step by default (see --free-weights)")
     ap.add_argument("--plan-only", action="store_true", help="plan and time it; no simulation")
@@ -95,20 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.max_step_tokens < 1:
+        if args.max_step_tokens is not None and args.max_step_tokens < 1:
             raise SchedulerError("--max-step-tokens must be at least 1")
         overlap = 0.0 if args.no_overlap else 1.0 if args.perfect_overlap else args.overlap
         cost = cost_model(args.hardware, args.model_shape, free_weights=args.free_weights,
                           overlap=overlap)
+        step_tokens = (args.max_step_tokens or cost.hardware.default_step_tokens
+                       or DEFAULT_MAX_STEP_TOKENS)
         kv_tokens = args.kv_tokens or cost.kv_capacity_tokens
         cfg = RunConfig(args.policy, kv_tokens, args.sample_rate, args.seed,
-                        args.max_step_tokens, args.plan_only)
+                        step_tokens, args.plan_only)
         entries = read_trace(args.trace)
         report: dict[str, Any] = {"policy": args.policy, "trace": str(args.trace),
                                   "hardware": cost.hardware.name, "model_shape": cost.shape.name,
                                   "kv_capacity_tokens": kv_tokens, "overlap": cost.overlap,
                                   "step_fixed_s": cost.step_fixed_s,
-                                  "max_step_tokens": args.max_step_tokens}
+                                  "max_step_tokens": step_tokens}
         if args.dp > 1:
             report.update(run_sharded(entries, cost, cfg, args.dp, args.dp_cut == "sampled"))
         else:

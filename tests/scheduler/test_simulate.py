@@ -343,6 +343,19 @@ def test_cli_reads_a_measured_hardware_profile(tmp_path: Path, capsys) -> None:
     assert report["peak_kv_tokens"] <= 5000
 
 
+def test_the_step_cap_is_the_profiles_device_default_unless_given(tmp_path: Path, capsys) -> None:
+    write_trace(tmp_path / "t.jsonl", random_trace(30))
+    profile = {"name": "measured", "flops": 1e12, "bandwidth_bytes_per_s": 1e11,
+               "kv_capacity_bytes": 131072 * 5000, "default_step_tokens": 8192}
+    (tmp_path / "hw.json").write_text(json.dumps(profile))
+    for flags, cap in (([], 8192), (["--max-step-tokens", "512"], 512)):
+        assert main([str(tmp_path / "t.jsonl"), "--policy", "fcfs", "--hardware",
+                     str(tmp_path / "hw.json"), *flags, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["max_step_tokens"] == cap
+    assert main([str(tmp_path / "t.jsonl"), "--policy", "fcfs", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_step_tokens"] == 2048  # the GPU profiles'
+
+
 @pytest.mark.parametrize("cut", ["stratified", "sampled"])
 def test_dp_shards_cover_the_batch_once_and_the_slowest_sets_the_makespan(
         tmp_path: Path, capsys, cut: str) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from runtime.engine import CPU_STEP_TOKENS
 from server.cli import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -190,6 +191,21 @@ def test_run_refuses_a_step_cap_below_one(tmp_path: Path, capsys: pytest.Capture
     source.write_text(request("a") + "\n")
     assert main(["run", str(source), "-o", str(tmp_path / "o.jsonl"), "--max-step-tokens", "0"]) == 2
     assert "--max-step-tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_the_step_cap_defaults_by_device_and_the_setting_overrides_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(request("a", max_tokens=2) + "\n")
+    report_path = tmp_path / "plan.json"
+    for setting, cap in ((None, CPU_STEP_TOKENS), ("512", 512)):
+        if setting is None:
+            monkeypatch.delenv("BLENDSERVE_MAX_BATCH_TOKENS", raising=False)
+        else:
+            monkeypatch.setenv("BLENDSERVE_MAX_BATCH_TOKENS", setting)
+        assert main(["run", str(source), "-o", str(tmp_path / "o.jsonl"), "--device", "cpu",
+                     "--report", str(report_path)]) == 0
+        assert json.loads(report_path.read_text())["max_step_tokens"] == cap
 
 
 def test_device_auto_is_the_cpu_without_a_gpu() -> None:
