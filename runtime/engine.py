@@ -449,7 +449,7 @@ class Engine:
             elif waiting:
                 seq = waiting[0]
                 prefix = self.cache.match_prefix(seq.tokens, (len(seq.tokens) - 1) // ps)
-                if running and not self._prompt_fits(seq, len(prefix[0]), len(running)):
+                if running and not self._prompt_fits(seq, *prefix, len(running)):
                     break  # it starts once its whole prompt fits (see _prompt_fits)
                 waiting.popleft()
                 self._start(seq, *prefix)
@@ -473,16 +473,18 @@ class Engine:
         batch.sort(key=lambda e: e[1] != 1)
         return batch
 
-    def _prompt_fits(self, seq: _Seq, cached_pages: int, growing: int) -> bool:
+    def _prompt_fits(self, seq: _Seq, cached: list[int], node: RadixNode, growing: int) -> bool:
         """Whether a waiting sequence's uncached prompt fits in the free and evictable pages,
         beside the pages `growing` running sequences take as they decode while it prefills.
-        Started on less, its prefill would take what is free, and the next decode step that
-        runs out would preempt it (the newest), over and over, each time recomputing it."""
+        Its cached prefix (`cached`, ending at `node`) is not evictable once it starts. Started
+        on less, its prefill would take what is free, and the next decode step that runs out
+        would preempt it (the newest), over and over, each time recomputing it."""
         ps = self.pool.page_size
-        todo = len(seq.tokens) - cached_pages * ps
+        todo = len(seq.tokens) - len(cached) * ps
         steps = -(-todo // self.config.max_batch_tokens) + 1
         need = -(-todo // ps) + growing * -(-steps // ps)
-        return need <= self.pool.num_free + self.cache.evictable_pages
+        room = self.pool.num_free + self.cache.evictable_pages - self.cache.unlocked_pages(node)
+        return need <= room
 
     def _free_pages(self, need: int) -> bool:
         """Make `need` pages free, evicting unlocked cache leaves if needed."""

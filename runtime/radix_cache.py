@@ -121,6 +121,15 @@ class RadixCache:
                 self.evictable_pages += len(node.pages)
             node = node.parent  # type: ignore[assignment]
 
+    def unlocked_pages(self, node: RadixNode) -> int:
+        """Pages on the path from `node` up that nothing holds: evictable now, not once locked."""
+        n = 0
+        while node is not self.root and node is not None:
+            if node.ref == 0:
+                n += len(node.pages)
+            node = node.parent  # type: ignore[assignment]
+        return n
+
     # ---- eviction -------------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked leaves, oldest first; returns pages freed."""

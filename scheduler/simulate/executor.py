@@ -247,10 +247,12 @@ class _Run:
     def prompt_fits(self, i: int) -> bool:
         """The engine's rule (runtime/engine.py `_prompt_fits`): a request starts its prefill
         only once its uncached prompt fits in what is not pinned, beside the tokens the running
-        requests add as they decode while it prefills."""
-        todo = self.p[i] + self.redo[i] - self.cache.hit(self.cache.path(i))
+        requests add as they decode while it prefills. Its cached prefix is pinned once it
+        starts, so the unpinned part of it is no room for the rest."""
+        hit, unpinned = self.cache.hit(self.cache.path(i))
+        todo = self.p[i] + self.redo[i] - hit
         steps = -(-todo // self.cfg.max_step_tokens) + 1
-        return todo + len(self.running) * steps <= self.cap - self.pinned()
+        return todo + len(self.running) * steps <= self.cap - self.pinned() - unpinned
 
     def headroom(self) -> int:
         """KV prefill must leave free: this step's decode tokens and the next step's.

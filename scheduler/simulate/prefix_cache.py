@@ -58,14 +58,17 @@ class PrefixCache:
             self._last[node] = now
         return hit
 
-    def hit(self, path: list[int]) -> int:
-        """How many of a path's leading prompt tokens are cached (acquire's hit, nothing pinned)."""
-        hit = 0
+    def hit(self, path: list[int]) -> tuple[int, int]:
+        """How many of a path's leading prompt tokens are cached (acquire's hit, nothing pinned),
+        and how many of those no running request pins (evictable now, not once acquired)."""
+        hit = unpinned = 0
         for node in path:
             if not self._cached[node]:
                 break
             hit = self.depth[node]
-        return hit
+            if self._ref[node] == 0:
+                unpinned += self._edge[node]
+        return hit, unpinned
 
     def fill(self, node: int) -> None:
         """A pinned node's tokens have been prefilled: they are cached from now on."""

@@ -250,6 +250,27 @@ def test_the_step_log_counts_a_prefix_shared_by_decodes_once() -> None:
     assert first_decode.kv_read == own + 40  # the 10 shared pages read once for the group
 
 
+def test_a_cached_prefix_that_would_start_a_prompt_is_not_also_counted_as_free() -> None:
+    # 26 pages of 4 tokens. "x" leaves its 10-page prompt cached and unheld. "a" (15 pages,
+    # growing 8 more) starts; one page is free. "b" is x's prompt plus 8 tokens: the 10 cached
+    # pages would be held once it starts, so they cannot also be the room its other 3 pages
+    # need. Started anyway, it is preempted as soon as a's decodes run out of pages.
+    greedy_params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    x = list(range(101, 141))
+    first = [EngineRequest("x", x, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))]
+    reqs = [EngineRequest("a", list(range(1, 61)), greedy_params),
+            EngineRequest("b", x + list(range(61, 69)),
+                          SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))]
+    expected = {k: v.choices[0].token_ids for k, v in run(make_engine(), reqs).items()}
+    tight = make_engine(pages=26)
+    run(tight, first)
+    assert tight.cache.evictable_pages == 10
+    got = run(tight, reqs)
+    assert tight.stats.preemptions == 0
+    assert {k: v.choices[0].token_ids for k, v in got.items()} == expected
+    assert_no_leaks(tight)
+
+
 def test_a_prompt_waits_until_it_fits_beside_the_decodes_instead_of_being_torn_down() -> None:
     # 24 pages of 4 tokens: "a" grows to 90 tokens (23 pages); "b" needs 10 pages for its prompt.
     # Started early, b's prefill would take the free pages that a's decodes need next, be

@@ -413,6 +413,18 @@ def test_with_cascade_attention_decodes_read_a_shared_prefix_once() -> None:
     assert first_decode_read(True) == pytest.approx(plain - 2 * 64)
 
 
+def test_a_cached_prefix_that_would_start_a_prompt_is_not_also_counted_as_free() -> None:
+    # As the engine: "x" leaves 40 tokens cached and unpinned; "b" shares them and needs 8 more,
+    # but once it starts they are pinned, so beside "a" (growing to 90) they are no room for it.
+    x = tokens(3, 40)
+    trace = [make_entry("x", x, 1), make_entry("a", tokens(1, 60), 30),
+             make_entry("b", x + tokens(2, 8), 4)]
+    policy = OneAtATime([e.request for e in trace])
+    policy.admit = lambda budget: [policy.pending.pop(0)] if policy.pending else []  # one a step
+    result = simulate(trace, policy, COST, SimConfig(104, 64))
+    assert result.preemptions == 0 and result.prefill_aborts == 0
+
+
 def test_a_prompt_waits_until_it_fits_beside_the_decodes_instead_of_being_torn_down() -> None:
     # As the engine (tests/runtime/test_engine.py): "a" grows to 90 of 96 tokens, and "b"'s
     # 40-token prompt, started beside it, would be torn down as a's decodes need the room.
