@@ -60,14 +60,14 @@ class RequestFeed(Protocol):
     def poll(self, idle: bool) -> FeedUpdate: ...
 
 
-CPU_STEP_TOKENS = 8192  # default_step_tokens
-GPU_STEP_TOKENS = 2048
+CPU_STEP_TOKENS = 8192  # the server's step cap on a CPU (default_step_tokens)
+GPU_STEP_TOKENS = 2048  # and on a GPU
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    max_batch_tokens: int = GPU_STEP_TOKENS  # tokens (decode + prefill) per step; the server
-    # picks default_step_tokens(device)
+    # tokens (decode + prefill) per step; the server picks default_step_tokens(device)
+    max_batch_tokens: int = GPU_STEP_TOKENS
     kv_memory_bytes: int | None = None  # KV pool budget; None = kv_cache.default_kv_memory_bytes
     page_size: int = 16  # tokens per KV page
     device: str = "cpu"
