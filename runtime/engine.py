@@ -103,7 +103,8 @@ def _cpu_has_bf16() -> bool:
 
 
 def default_step_tokens(device: str) -> int:
-    """The step cap the server uses when none is set: 8,192 tokens on a CPU, 2,048 on a GPU.
+    """The step cap the server uses when none is set: 8,192 tokens on a CPU, 2,048 on a GPU
+    (`cuda`, `cuda:N`).
     On a CPU compute and memory do not overlap and every step pays a fixed cost (weights read,
     launch and Python work) on top of its tokens, so fewer, fuller prefill steps finish sooner:
     fcfs and dfs ran faster at 8,192 than at 2,048 on every CPU workload we benchmarked. A GPU

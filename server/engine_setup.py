@@ -55,7 +55,7 @@ def build_engine(settings: Settings, setup: EngineSetup | None = None, *,
     device = resolve_device(s.device or settings.device)
     engine = Engine(model, EngineConfig(
         max_batch_tokens=(s.max_batch_tokens or settings.max_batch_tokens
-                          or default_step_tokens(device.split(":")[0])),
+                          or default_step_tokens(device)),
         kv_memory_bytes=s.kv_memory_bytes if s.kv_memory_bytes is not None
         else settings.kv_memory_bytes,
         device=device,
