@@ -3,9 +3,12 @@
 The CPU runtime's attention (runtime/attention/torch_backend.py) groups a step's decodes by
 their first KV page and attends the pages the whole group shares once, stacking the group's
 queries; each decode then reads only its own pages. A device profile that says so
-(`HardwareProfile.cascade`) makes the simulator count reads the same way. A group's shared
-length is the depth of the deepest prefix-tree node every decoding member passes through,
-in whole pages, and counts only from `min_pages` pages on, as the runtime does.
+(`HardwareProfile.cascade`) makes the simulator count reads the same way. The runtime's groups
+are the decodes that start on the same page, so here they are the decodes through the same
+node at the first page's end (the first node of a path at least a page deep; prompts that
+share a system prompt after a common chat-template header of a few tokens are not one group).
+A group's shared length is the depth of the deepest prefix-tree node every decoding member
+passes through, in whole pages, and counts only from `min_pages` pages on, as the runtime does.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class CascadeReads:
         self._children: list[list[int]] = [tree.children(v).tolist()
                                            for v in range(tree.num_nodes)]
         self._ref = [0] * tree.num_nodes  # decoding requests through each node
-        self._groups: dict[int, int] = {}  # first node below the root -> decoding members
+        self._groups: dict[int, int] = {}  # node at the first page's end -> decoding members
         self._ps, self._min = page_size, min_pages
         self._saved = 0
         self._dirty = False
@@ -41,7 +44,9 @@ class CascadeReads:
             return
         for node in path:
             self._ref[node] += sign
-        top = path[0]
+        top = next((v for v in path if self._depth[v] >= self._ps), None)
+        if top is None:  # shorter than a page: nothing it could share
+            return
         left = self._groups.get(top, 0) + sign
         if left:
             self._groups[top] = left

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -401,8 +402,6 @@ def test_with_cascade_attention_decodes_read_a_shared_prefix_once() -> None:
     def first_decode_read(cascade: bool) -> float:
         cost = CostModel(COST.shape, COST.hardware.idealised(overlap=0.0))
         if cascade:
-            from dataclasses import replace
-
             cost = CostModel(cost.shape, replace(cost.hardware, cascade=True))
         policy = make_policy("fcfs", [e.request for e in trace], kv_capacity_tokens=10**5)
         result = simulate(trace, policy, cost, SimConfig(10**5))
@@ -411,6 +410,20 @@ def test_with_cascade_attention_decodes_read_a_shared_prefix_once() -> None:
     plain = 3 * (74 + 1)  # each decode reads its prompt and its first token
     assert first_decode_read(False) == pytest.approx(plain)
     assert first_decode_read(True) == pytest.approx(plain - 2 * 64)
+
+
+def test_cascade_groups_are_the_decodes_on_the_same_first_page_as_in_the_runtime() -> None:
+    # Two system prompts behind a common 8-token header (a chat template's): the runtime groups
+    # decodes by their first KV page, so each system prompt's pair reads its 72 shared tokens
+    # (4 whole pages) once. Grouping by the header's tree node saw one group sharing 8 tokens.
+    header = tokens(7, 8)
+    trace = [make_entry(f"c{i}", header + tokens(5 + i % 2, 64) + tokens(40 + i, 10), 5)
+             for i in range(4)]
+    cost = CostModel(COST.shape, replace(COST.hardware.idealised(overlap=0.0), cascade=True))
+    policy = make_policy("fcfs", [e.request for e in trace], kv_capacity_tokens=10**5)
+    result = simulate(trace, policy, cost, SimConfig(10**5))
+    read = (result.step_memory_s[1] - cost.weights_read_s) / cost.seconds_per_kv_token
+    assert read == pytest.approx(4 * (82 + 1) - 2 * 64)
 
 
 def test_a_cached_prefix_that_would_start_a_prompt_is_not_also_counted_as_free() -> None:
