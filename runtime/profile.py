@@ -3,10 +3,10 @@
 The planner and the simulator cost a step as t = W + combine(compute, memory) (scheduler/
 cost_model.py). This module measures that model for one engine: it times the engine's own
 forward and sampling over a spread of step shapes (decode batches at short and long contexts,
-prefill chunks fresh and over a cached prefix, a mixed step) and fits, by non-negative least
-squares weighted by 1/sqrt(seconds) (between relative error, where a 0.1 s decode step counts as
-much as a 5 s prefill step, and absolute error, which predicts a run's total but not its small
-steps),
+prefill chunks fresh and over a cached prefix, a mixed step; then the same kinds as large as a
+real batch's, sized to the device) and fits, by non-negative least squares weighted by
+1/sqrt(seconds) (between relative error, where a 0.1 s decode step counts as much as a 5 s
+prefill step, and absolute error, which predicts a run's total but not its small steps),
 
     t = W + tokens·s_token + rows·s_row + pairs·s_pair + kv·s_kv
 
@@ -40,10 +40,10 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 6  # 2: real steps of a representative run in the fit; 3: attention kind;
+PROFILE_VERSION = 7  # 2: real steps of a representative run in the fit; 3: attention kind;
 # 4: what the measurement covered (a small engine's profile no longer serves a full one);
 # 5: the fit weighted by 1/sqrt(seconds), the representative run sized to the device;
-# 6: the device's default step cap (the simulator's, for this profile)
+# 6: the device's default step cap (the simulator's, for this profile); 7: large step shapes
 FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
 LONG_STEP_S = 0.5  # a step shape whose warm-up took longer is timed once more, not `reps` times
@@ -52,6 +52,10 @@ LONG_STEP_S = 0.5  # a step shape whose warm-up took longer is timed once more, 
 # of memory: ~5x a bf16 AVX-512 core) still measures its whole profile within a minute.
 CALIBRATION_BUDGET_S = 22.0
 CALIBRATION_SIZES = ((24, 96), (18, 96), (12, 96), (6, 96), (6, 48), (6, 24))
+# The large step shapes (large_step_shapes) at the largest of these sizes that the small shapes'
+# fit says are timed within LARGE_BUDGET_S.
+LARGE_BUDGET_S = 14.0
+LARGE_SIZES = (1.0, 0.5, 0.25, 0.125)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,35 @@ def step_shapes(capacity_tokens: int, scale: int = 1) -> list[tuple[list[int], l
     shapes.append(([96 * scale] * 6, [96 * scale] * 6))  # several prompts in one step
     shapes.append(([1] * 32 * scale + [256 * scale], [320 * scale] * 32 * scale + [256 * scale]))
     return [(q, k) for q, k in shapes if sum(k) <= capacity_tokens // 2]
+
+
+def large_step_shapes(capacity_tokens: int, size: float = 1.0) -> list[tuple[list[int], list[int]]]:
+    """Steps as large as a real batch's: hundreds of decodes, and a step cap's worth of prefill
+    as many short prompts and as one long one (the same tokens, 30x the attention pairs), and
+    a mixed step. `size` scales them down on a slow device (large_size).
+
+    Without them the fit extrapolates from decodes of at most 128 rows and prompts of at most
+    768 tokens, where the per-token, per-row and per-pair times are nearly collinear: one such
+    fit put a step cap of 20 prompts 23% long (no time per pair at all), and the real steps of
+    a 512-request chat run 20% long; the next measurement put the same run's decodes 12% short."""
+    def n(x: int) -> int:
+        return max(int(x * size), 1)
+
+    shapes = [([1] * n(256), [64] * n(256)), ([1] * n(512), [64] * n(512)),
+              ([1] * n(256), [256] * n(256)),
+              ([64] * n(32), [64] * n(32)), ([n(2048)], [n(2048)]),
+              ([1] * n(128) + [64] * n(16), [200] * n(128) + [64] * n(16))]
+    return [(q, k) for q, k in shapes if sum(k) <= capacity_tokens // 2]
+
+
+def large_size(coef: dict[str, float], capacity_tokens: int) -> float:
+    """The largest of LARGE_SIZES whose shapes a fit says are timed within LARGE_BUDGET_S
+    (each runs twice: a warm-up and a timing)."""
+    for size in LARGE_SIZES:
+        shapes = large_step_shapes(capacity_tokens, size)
+        if sum(2 * predict(coef, Sample.of(q, k, 0.0)) for q, k in shapes) <= LARGE_BUDGET_S:
+            return size
+    return LARGE_SIZES[-1]
 
 
 def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int = 2,
@@ -231,6 +264,10 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
     started = time.perf_counter()
     device = engine.model.device
     shapes = [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in _shapes(engine)]
+    # Then the large shapes, as large as this device times them within their budget.
+    size = large_size(fit(shapes)[0], engine.kv_capacity_tokens)
+    large = large_step_shapes(engine.kv_capacity_tokens, size)
+    shapes += [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in large]
     # The real steps of a representative run join the fit: what a step costs beyond the forward
     # (sampling, scheduling, stop checks, cache bookkeeping) and how long chunks really scale.
     # Its size is what the shapes alone say this device runs within the budget.
@@ -266,7 +303,8 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         "batch_multiple": 1 if device.type == "cpu" else 128,
         "default_step_tokens": default_step_tokens(device.type),  # what `blendserve run` takes
         "model_config": cfg.to_hf(dtype),
-        "fit": {"shapes": len(shapes), "longest_prompt": _longest_prompt(engine),
+        "fit": {"shapes": len(shapes), "large_shapes_size": size,
+                "longest_prompt": _longest_prompt(engine),
                 "step_tokens": engine.config.max_batch_tokens, "mean_abs_rel_error": fit_error,
                 "calibration_requests": n, "calibration_longest_output": longest,
                 "calibration_steps": len(steps),
@@ -294,7 +332,8 @@ def covers(profile: dict[str, Any], engine: Engine) -> bool:
     fit = profile.get("fit", {})
     return (profile.get("kernel") == _kernel_id(engine)
             and profile.get("linear") == linear_kind(engine)
-            and fit.get("shapes", 0) >= len(_shapes(engine))
+            and fit.get("shapes", 0) >= len(_shapes(engine)) + len(
+                large_step_shapes(engine.kv_capacity_tokens))
             and fit.get("longest_prompt", 0) >= _longest_prompt(engine)
             and fit.get("step_tokens", 0) >= min(engine.config.max_batch_tokens, FULL_STEP_TOKENS))
 

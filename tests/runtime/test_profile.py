@@ -10,6 +10,8 @@ from runtime.profile import (
     CALIBRATION_BUDGET_S,
     CALIBRATION_SIZES,
     FEATURES,
+    LARGE_BUDGET_S,
+    LARGE_SIZES,
     Sample,
     cached_profile_path,
     calibration_requests,
@@ -18,6 +20,8 @@ from runtime.profile import (
     cost_model_from_profile,
     covers,
     fit,
+    large_size,
+    large_step_shapes,
     linear_kind,
     load_or_measure,
     measure,
@@ -84,6 +88,35 @@ def test_a_slow_device_runs_a_smaller_calibration_within_the_budget() -> None:
     assert max(len(r.prompt_token_ids) for r in reqs) == max(
         len(r.prompt_token_ids) for r in calibration_requests(49152, 8192, *full))
     assert max(r.params.max_tokens for r in reqs) == longest
+
+
+def test_a_slow_device_times_smaller_large_shapes_within_their_budget() -> None:
+    assert large_size(FAST, 10**6) == LARGE_SIZES[0]
+    size = large_size(SLOW, 10**6)
+    assert size < LARGE_SIZES[0]
+    shapes = large_step_shapes(10**6, size)
+    assert len(shapes) == len(large_step_shapes(10**6))
+    assert sum(2 * predict(SLOW, Sample.of(q, k, 0.0)) for q, k in shapes) <= LARGE_BUDGET_S
+
+
+def test_the_large_shapes_hold_hundreds_of_decodes_and_a_prompt_as_long_as_many_short_ones(
+        ) -> None:
+    samples = [Sample.of(q, k, 0.0) for q, k in large_step_shapes(10**6)]
+    assert max(s.rows for s in samples if s.pairs == 0) >= 512
+    one = next(s for s in samples if s.rows == 1)
+    many = next(s for s in samples if s.rows > 1 and s.kv_read == 0)
+    assert one.tokens == many.tokens and one.pairs > 20 * many.pairs
+
+
+def test_a_profile_measured_without_the_large_shapes_is_measured_again(tmp_path: Path) -> None:
+    engine = make_engine(pages=4096, max_batch_tokens=512)
+    profile, _, _ = load_or_measure(engine, tmp_path)
+    cap = engine.kv_capacity_tokens
+    large = large_step_shapes(cap, profile["fit"]["large_shapes_size"])
+    assert large and profile["fit"]["shapes"] == len(step_shapes(cap)) + len(large)
+    assert covers(profile, engine)
+    older = {**profile, "fit": {**profile["fit"], "shapes": len(step_shapes(cap))}}
+    assert not covers(older, engine)
 
 
 def test_a_measured_profile_loads_into_the_cost_model(tmp_path: Path) -> None:
