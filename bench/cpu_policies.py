@@ -18,6 +18,7 @@ replays it.
     python bench/cpu_policies.py                          # all three workloads (~30 min)
     python bench/cpu_policies.py --workloads chat --caps 2048
     python bench/cpu_policies.py --workloads chat --kv-memory 300000000   # KV-bound
+    python bench/cpu_policies.py --workloads chat --scale 4 --caps 2048,8192  # 256 requests
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def run_one(inp: Path, out_dir: Path, policy: str | None, cap: int | None,
     if kv_memory:  # the simulator's KV capacity is the profile's: make it this run's
         profile = json.loads(used.read_text())
         used.write_text(json.dumps({**profile, "kv_capacity_bytes": kv_memory}, indent=1))
+    data["profile"]["cached_path"] = data["profile"]["path"]
     data["profile"]["path"] = str(used)
     data["output_file"] = str(out_dir / f"{tag}.out.jsonl")
     data["label"] = f"{policy or 'blend (default flags)'}" + (f" @{cap}" if cap else "")
@@ -116,14 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-memory", type=int, default=None,
                     help="KV pool bytes of every run (`blendserve run --kv-memory`): a small "
                          "pool makes a workload KV-bound")
+    ap.add_argument("--scale", type=int, default=1,
+                    help="multiply every workload's request count (4: beyond the default KV pool)")
     args = ap.parse_args(argv)
     if args.predict_from:
         for name, runs in json.loads(args.predict_from.read_text()).items():
             for r in runs:
+                r["profile"]["path"] = str(_profile_now(r, args.out))
                 r["predicted_seconds"] = simulate(args.out / f"{name}.trace.jsonl", r, r["policy"])
             print_table(name, runs)
         return 0
-    paths = cpu_workloads.write(args.out)
+    paths = cpu_workloads.write(args.out, scale=args.scale)
     caps = [int(c) for c in args.caps.split(",") if c]
     results: dict[str, list[dict[str, Any]]] = {}
     configs = [(None, None)] + [(p, c) for p in ("fcfs", "dfs") for c in caps]
@@ -140,6 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1))
     return 0
+
+
+def _profile_now(run: dict[str, Any], out_dir: Path) -> Path:
+    """The profile cached now for `run`'s model and device (its step model measured anew),
+    with the KV capacity that run had, written beside its report."""
+    used = json.loads(Path(run["profile"]["path"]).read_text())
+    cached = run["profile"].get("cached_path")
+    if cached is None:  # an older --json-out: the newest profile of the same model
+        same = [p for p in (ROOT / "data" / "profiles").glob("*.json")
+                if json.loads(p.read_text()).get("model") == used.get("model")]
+        cached = max(same, key=lambda p: p.stat().st_mtime)
+    now = json.loads(Path(cached).read_text())
+    path = Path(run["profile"]["path"]).with_suffix(".now.json")
+    path.write_text(json.dumps({**now, "kv_capacity_bytes": used["kv_capacity_bytes"]}, indent=1))
+    return path
 
 
 def _round(inp: Path, out_dir: Path, configs: list[tuple[str | None, int | None]],

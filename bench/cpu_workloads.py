@@ -33,47 +33,49 @@ def _line(i: int, messages: list[dict[str, str]], max_tokens: int, ignore_eos: b
     return {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
-def chat(rng: random.Random) -> list[dict]:
+def chat(rng: random.Random, scale: int = 1) -> list[dict]:
     systems = [f"You are assistant #{i}. " + _text(rng, 190) for i in range(4)]
     return [_line(i, [{"role": "system", "content": rng.choice(systems)},
                       {"role": "user", "content": _text(rng, rng.randint(20, 300))}],
-                  rng.choice((16, 64, 256)), True) for i in range(64)]
+                  rng.choice((16, 64, 256)), True) for i in range(64 * scale)]
 
 
-def long_short(rng: random.Random) -> list[dict]:
+def long_short(rng: random.Random, scale: int = 1) -> list[dict]:
     asks = ["Summarise the document below in one line.", "List the three key terms of this text."]
     out = []
-    for i in range(16):
+    for i in range(16 * scale):
         doc = _text(rng, rng.randint(1000, 1500))
         out.append(_line(i, [{"role": "user", "content": f"{asks[i % 2]}\n\n{doc}"}],
                          rng.randint(8, 16), True))
-    for i in range(16, 24):
+    for i in range(16 * scale, 24 * scale):
         out.append(_line(i, [{"role": "user", "content": "Write a long story about "
                               + _text(rng, rng.randint(20, 60))}], rng.randint(256, 384), True))
     rng.shuffle(out)
     return out
 
 
-def low_sharing(rng: random.Random) -> list[dict]:
+def low_sharing(rng: random.Random, scale: int = 1) -> list[dict]:
     out = []
-    for i in range(48):
+    for i in range(48 * scale):
         topic = _text(rng, rng.randint(100, 800))
         out.append(_line(i, [{"role": "user", "content": f"{rng.choice(WORDS)}: {topic}\nExplain."}],
                          256, False))
     return out
 
 
-WORKLOADS: dict[str, Callable[[random.Random], list[dict]]] = {
+WORKLOADS: dict[str, Callable[[random.Random, int], list[dict]]] = {
     "chat": chat, "long_short": long_short, "low_sharing": low_sharing}
 
 
-def write(out_dir: Path, seed: int = 0) -> dict[str, Path]:
+def write(out_dir: Path, seed: int = 0, scale: int = 1) -> dict[str, Path]:
+    """Every workload as `<name>.jsonl` in out_dir; scale multiplies each one's request count
+    (scale 4 no longer fits the default CPU KV pool: the order decides what waits)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, make in WORKLOADS.items():
         path = out_dir / f"{name}.jsonl"
         with path.open("w") as f:
-            for line in make(random.Random(f"{name}-{seed}")):
+            for line in make(random.Random(f"{name}-{seed}"), scale):
                 f.write(json.dumps(line) + "\n")
         paths[name] = path
     return paths
@@ -83,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("bench/out/cpu"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scale", type=int, default=1, help="multiply every workload's request count")
     args = ap.parse_args(argv)
-    for name, path in write(args.out, args.seed).items():
+    for name, path in write(args.out, args.seed, args.scale).items():
         print(f"{name}: {path}", file=sys.stderr)
     return 0
 
