@@ -8,6 +8,7 @@ serves them all. What to admit comes from an `AdmissionPolicy` (scheduler/types.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import time
 from collections import deque
@@ -113,6 +114,27 @@ def default_step_tokens(device: str) -> int:
     return CPU_STEP_TOKENS if device == "cpu" else GPU_STEP_TOKENS
 
 
+# glibc's malloc: blocks under this come from the heap, and this much freed heap is kept.
+HEAP_BLOCKS_UNDER = 1 << 30
+HEAP_KEPT_FREE = 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+
+
+def reuse_freed_memory() -> bool:
+    """Have glibc keep a CPU step's large freed blocks for the next step instead of unmapping
+    them. Above its mmap threshold (32 MB at most, by default) every block was mapped afresh,
+    page-faulted in and unmapped again each step: a 512-row decode step's logits alone are
+    100 MB of float32. Measured on a 2-core AVX512-BF16 VM, SmolLM2-135M: a decode step of 256
+    rows 403 -> 346 ms, of 512 rows 1,199 -> 824 ms. The process keeps up to HEAP_KEPT_FREE of
+    freed memory. False (nothing changed) where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCKS_UNDER)
+                    and libc.mallopt(_M_TRIM_THRESHOLD, HEAP_KEPT_FREE))
+    except (OSError, AttributeError):
+        return False
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -164,6 +186,8 @@ class Engine:
         mc = model.config
         self.max_model_len = mc.max_position_embeddings
         self.dtype = resolve_dtype(cfg.dtype, cfg.device)
+        if cfg.device == "cpu":
+            reuse_freed_memory()
         self.model = LlamaModel(mc, model.weights, dtype=self.dtype, device=cfg.device, seed=cfg.seed)
         budget = (cfg.kv_memory_bytes if cfg.kv_memory_bytes is not None
                   else default_kv_memory_bytes(cfg.device))

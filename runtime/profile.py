@@ -40,10 +40,11 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 7  # 2: real steps of a representative run in the fit; 3: attention kind;
+PROFILE_VERSION = 8  # 2: real steps of a representative run in the fit; 3: attention kind;
 # 4: what the measurement covered (a small engine's profile no longer serves a full one);
 # 5: the fit weighted by 1/sqrt(seconds), the representative run sized to the device;
-# 6: the device's default step cap (the simulator's, for this profile); 7: large step shapes
+# 6: the device's default step cap (the simulator's, for this profile); 7: large step shapes;
+# 8: CPU engines reuse freed memory (engine.reuse_freed_memory): large steps run faster
 FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
 LONG_STEP_S = 0.5  # a step shape whose warm-up took longer is timed once more, not `reps` times
