@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,10 +312,6 @@ def test_a_cpu_engine_reuses_a_steps_freed_memory_instead_of_faulting_it_in_agai
     """Each step's large temporaries (logits, activations) were mapped afresh and page-faulted
     in every step (runtime.engine.reuse_freed_memory). In a fresh process: the setting is
     process-wide."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     out = subprocess.run([sys.executable, "-c", _FAULTS_PER_CYCLE], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).resolve().parents[2]).stdout
     before, after = (int(x) for x in out.split())
