@@ -9,6 +9,9 @@ baseline, the simulator's prediction of each run from the measured device profil
 step model's seconds over the steps the run took (the device profile applied to each step's
 tokens, rows, pairs and KV reads): what the schedules cost without the machine's timing noise.
 Each run's prediction uses the profile as that run loaded it (copied beside its report).
+`other load` is the share of the CPUs that other processes (and other guests of a VM) took
+while the run ran (runtime/host_load.py): a run past 5% was slowed by it, often by more than
+that share, and so was a profile measured under load (the table says so under it).
 
 The prediction is the simulator CLI itself: the workload becomes a trace (prompt token ids with
 the chat template applied, the output lengths the run produced) and
@@ -37,6 +40,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
 from bench import cpu_workloads
+from runtime.host_load import DISTURBED, LoadMeter, disturbance, load_fields
 
 BLENDSERVE = str(Path(sys.executable).with_name("blendserve"))
 
@@ -54,9 +58,11 @@ def run_one(inp: Path, out_dir: Path, policy: str | None, cap: int | None,
     if kv_memory:
         cmd += ["--kv-memory", str(kv_memory)]
     started = time.monotonic()
-    subprocess.run(cmd, check=True, cwd=ROOT, stderr=subprocess.DEVNULL)
+    with LoadMeter() as meter:  # what others took of the machine while it ran
+        subprocess.run(cmd, check=True, cwd=ROOT, stderr=subprocess.DEVNULL)
     data = json.loads(report.read_text())
     data["process_seconds"] = time.monotonic() - started
+    data["host_load"] = load_fields(meter.load)
     # The profile as this run used it (a `blendserve profile` between runs replaces the cache).
     used = out_dir / f"{tag}.profile.json"
     shutil.copyfile(data["profile"]["path"], used)
@@ -184,12 +190,12 @@ def print_table(name: str, runs: list[dict[str, Any]]) -> None:
     best = min(base, key=lambda r: r["wall_seconds"])
     print(f"\n### {name}: {blend['requests']} requests, {blend['prompt_tokens']} prompt tokens, "
           f"{blend['output_tokens']} output tokens\n")
-    print("| policy | wall s (best) | rounds | output tok/s | cached tokens | steps | "
-          "predicted s | error | step-model s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| policy | wall s (best) | rounds | other load | output tok/s | cached tokens | "
+          "steps | predicted s | error | step-model s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         err = r["predicted_seconds"] / r["wall_seconds"] - 1
-        print(f"| {r['label']} | {r['wall_seconds']:.1f} | {r['walls']} | "
+        print(f"| {r['label']} | {r['wall_seconds']:.1f} | {r['walls']} | {_load(r)} | "
               f"{r['output_tokens_per_s']:.1f} | {r['cached_tokens']} | {r['steps']} | "
               f"{r['predicted_seconds']:.1f} | {err:+.1%} | {r['step_model_seconds']:.1f} |")
     model_best = min(base, key=lambda r: r["step_model_seconds"])
@@ -198,6 +204,26 @@ def print_table(name: str, runs: list[dict[str, Any]]) -> None:
           f"{blend['cached_tokens']} vs {best['cached_tokens']}; by the step model over the steps "
           f"each run took (no timing noise): {model_best['step_model_seconds'] / blend['step_model_seconds']:.3f}x "
           f"the best ({model_best['label']})")
+    disturbed = [r["label"] for r in runs if (_other(r) or 0.0) > DISTURBED]
+    if disturbed:
+        print(f"\nother processes took more than {DISTURBED:.0%} of the CPUs during: "
+              f"{', '.join(disturbed)}: those wall times are slowed by it")
+    profile = json.loads(Path(blend["profile"]["path"]).read_text())
+    if warning := disturbance(profile.get("fit", {}), "\nthe device profile"):
+        print(warning)
+
+
+def _other(run: dict[str, Any]) -> float | None:
+    """Share of the CPUs others took while the run ran (other processes and other guests)."""
+    load = run.get("host_load") or {}
+    if load.get("other_load") is None:
+        return None
+    return float(load["other_load"]) + float(load.get("steal") or 0.0)
+
+
+def _load(run: dict[str, Any]) -> str:
+    other = _other(run)
+    return "?" if other is None else f"{other:.0%}"
 
 
 if __name__ == "__main__":

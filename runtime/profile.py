@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention import AttentionBatch, cpu_kernel
+from runtime.host_load import LoadMeter, load_fields
 from runtime.types import EngineRequest, SamplingParams, StepRecord
 
 if TYPE_CHECKING:
@@ -264,19 +265,21 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
 
     started = time.perf_counter()
     device = engine.model.device
-    shapes = [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in _shapes(engine)]
-    # Then the large shapes, as large as this device times them within their budget.
-    size = large_size(fit(shapes)[0], engine.kv_capacity_tokens)
-    large = large_step_shapes(engine.kv_capacity_tokens, size)
-    shapes += [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in large]
-    # The real steps of a representative run join the fit: what a step costs beyond the forward
-    # (sampling, scheduling, stop checks, cache bookkeeping) and how long chunks really scale.
-    # Its size is what the shapes alone say this device runs within the budget.
-    n, longest = calibration_size(fit(shapes)[0], engine.vocab_size, engine.max_model_len,
-                                  engine.config.max_batch_tokens)
-    calibration = calibration_requests(engine.vocab_size, engine.max_model_len, n, longest)
-    list(engine.generate(calibration, policy="fcfs"))
-    steps = [Sample.from_record(r) for r in engine.step_log]
+    # Timings taken while other processes share the cores come out slow: say how much.
+    with LoadMeter() as meter:
+        shapes = [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in _shapes(engine)]
+        # Then the large shapes, as large as this device times them within their budget.
+        size = large_size(fit(shapes)[0], engine.kv_capacity_tokens)
+        large = large_step_shapes(engine.kv_capacity_tokens, size)
+        shapes += [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in large]
+        # The real steps of a representative run join the fit: what a step costs beyond the
+        # forward (sampling, scheduling, stop checks, cache bookkeeping) and how long chunks
+        # really scale. Its size is what the shapes alone say this device runs within the budget.
+        n, longest = calibration_size(fit(shapes)[0], engine.vocab_size, engine.max_model_len,
+                                      engine.config.max_batch_tokens)
+        calibration = calibration_requests(engine.vocab_size, engine.max_model_len, n, longest)
+        list(engine.generate(calibration, policy="fcfs"))
+        steps = [Sample.from_record(r) for r in engine.step_log]
     coef, fit_error = fit(shapes + steps)
     run_error = float(np.mean([abs(predict(coef, s) - s.seconds) / s.seconds for s in steps]))
     run_total = sum(predict(coef, s) for s in steps) / sum(s.seconds for s in steps) - 1.0
@@ -310,7 +313,8 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
                 "calibration_requests": n, "calibration_longest_output": longest,
                 "calibration_steps": len(steps),
                 "calibration_mean_abs_rel_error": run_error,
-                "calibration_total_error": run_total},
+                "calibration_total_error": run_total,
+                **load_fields(meter.load)},
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": time.perf_counter() - started,
     }

@@ -70,6 +70,7 @@ def build_engine(settings: Settings, setup: EngineSetup | None = None, *,
 
 def attach_profile(engine: Engine, settings: Settings) -> dict[str, Any] | None:
     """Set engine.cost_model from the profile the settings name (see the module docstring)."""
+    from runtime.host_load import disturbance
     from runtime.profile import cost_model_from_profile, load_or_measure
 
     choice = settings.profile
@@ -80,6 +81,8 @@ def attach_profile(engine: Engine, settings: Settings) -> dict[str, Any] | None:
         profile, path, fresh = load_or_measure(engine, settings.data_dir)
         if fresh:
             log.info("measured the device profile in %.1fs: %s", time.monotonic() - started, path)
+            if warning := disturbance(profile["fit"], f"the device profile {path}"):
+                log.warning("%s", warning)
     else:
         path = Path(choice)
         profile = json.loads(path.read_text())

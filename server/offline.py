@@ -137,6 +137,7 @@ def profile_main(args: argparse.Namespace) -> int:
     """`blendserve profile`: measure the served model's step time here and write the profile."""
     import json
 
+    from runtime.host_load import disturbance
     from runtime.profile import cached_profile_path, measure, write_profile
     from server.engine_setup import EngineSetup, build_engine
 
@@ -153,9 +154,12 @@ def profile_main(args: argparse.Namespace) -> int:
     profile = measure(engine)
     write_profile(out, profile)
     fit = profile["fit"]
+    if warning := disturbance(fit, "blendserve profile: warning: this profile"):
+        print(warning, file=sys.stderr)
     print(json.dumps({"profile": str(out), **profile["step_model"],
                       "fit_error": round(fit["mean_abs_rel_error"], 3),
                       "calibration_error": round(fit["calibration_mean_abs_rel_error"], 3),
+                      "other_load": fit["other_load"],
                       "seconds": round(profile["seconds"], 1)}))
     return 0
 

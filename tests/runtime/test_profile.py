@@ -125,6 +125,8 @@ def test_a_measured_profile_loads_into_the_cost_model(tmp_path: Path) -> None:
     assert profile["overlap"] == 0.0 and profile["device"] == "cpu"
     assert profile["step_model"]["s_per_token"] > 0 and profile["step_model"]["s_per_kv_token"] > 0
     assert profile["fit"]["calibration_steps"] > 5
+    if Path("/proc/stat").exists():  # what others took of the CPUs while it was measured
+        assert 0.0 <= profile["fit"]["other_load"] <= 1.0 and 0.0 <= profile["fit"]["steal"] <= 1.0
     path = write_profile(tmp_path / "p.json", profile)
     hw = HardwareProfile.from_json(path)
     assert hw.measured is not None and hw.overlap == 0.0 and hw.batch_multiple == 1
