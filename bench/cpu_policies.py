@@ -40,7 +40,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
 from bench import cpu_workloads
-from runtime.host_load import DISTURBED, LoadMeter, disturbance, load_fields
+from runtime.host_load import DISTURBED, HostLoad, LoadMeter, disturbance, load_fields
 
 BLENDSERVE = str(Path(sys.executable).with_name("blendserve"))
 
@@ -204,7 +204,7 @@ def print_table(name: str, runs: list[dict[str, Any]]) -> None:
           f"{blend['cached_tokens']} vs {best['cached_tokens']}; by the step model over the steps "
           f"each run took (no timing noise): {model_best['step_model_seconds'] / blend['step_model_seconds']:.3f}x "
           f"the best ({model_best['label']})")
-    disturbed = [r["label"] for r in runs if (_other(r) or 0.0) > DISTURBED]
+    disturbed = [r["label"] for r in runs if (load := _host_load(r)) and load.disturbed]
     if disturbed:
         print(f"\nother processes took more than {DISTURBED:.0%} of the CPUs during: "
               f"{', '.join(disturbed)}: those wall times are slowed by it")
@@ -213,17 +213,14 @@ def print_table(name: str, runs: list[dict[str, Any]]) -> None:
         print(warning)
 
 
-def _other(run: dict[str, Any]) -> float | None:
-    """Share of the CPUs others took while the run ran (other processes and other guests)."""
-    load = run.get("host_load") or {}
-    if load.get("other_load") is None:
-        return None
-    return float(load["other_load"]) + float(load.get("steal") or 0.0)
+def _host_load(run: dict[str, Any]) -> HostLoad | None:
+    """What others took of the CPUs while the run ran (None: not recorded)."""
+    return HostLoad.from_fields(run.get("host_load") or {})
 
 
 def _load(run: dict[str, Any]) -> str:
-    other = _other(run)
-    return "?" if other is None else f"{other:.0%}"
+    load = _host_load(run)
+    return "?" if load is None else f"{load.taken:.0%}"
 
 
 if __name__ == "__main__":

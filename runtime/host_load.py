@@ -4,9 +4,9 @@ A step timed while another process shares the cores (or, on a VM, while the hype
 another guest: `steal`) comes out slow, and so does everything predicted from it, by far more
 than the share taken: the engine's threads wait for each other at every operator. Measured on a
 2-core VM: a profile taken beside one busy single-threaded process (37% of the CPUs) predicted
-steps 2.3-5.5x as long as one taken idle. `LoadMeter` reads the kernel's CPU counters (Linux /proc/stat)
-around a measurement and subtracts this process's own CPU time and its waited-for children's,
-so a profile or a benchmark can say what share of the machine it did not have.
+steps 2.3-5.5x as long as one taken idle. `LoadMeter` reads the kernel's CPU counters (Linux
+/proc/stat) around a measurement and subtracts this process's own CPU time and its waited-for
+children's, so a profile or a benchmark can say what share of the machine it did not have.
 """
 
 from __future__ import annotations
@@ -30,8 +30,19 @@ class HostLoad:
     steal: float  # given by the hypervisor to other guests
 
     @property
+    def taken(self) -> float:
+        """The share others took: other processes and other guests."""
+        return self.other + self.steal
+
+    @property
     def disturbed(self) -> bool:
-        return self.other + self.steal > DISTURBED
+        return self.taken > DISTURBED
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, float | None]) -> HostLoad | None:
+        """The load `load_fields` reported (None where it was unknown or not recorded)."""
+        other, steal = fields.get("other_load"), fields.get("steal")
+        return None if other is None else cls(float(other), float(steal or 0.0))
 
 
 def cpu_jiffies(line: str) -> tuple[int, int]:
@@ -96,9 +107,9 @@ def load_fields(load: HostLoad | None) -> dict[str, float | None]:
 def disturbance(fields: dict[str, float | None], what: str) -> str | None:
     """A warning about `what` when the load_fields it was measured with say others took a
     share of the machine past DISTURBED; None otherwise."""
-    other, steal = fields.get("other_load"), fields.get("steal")
-    if other is None or steal is None or not HostLoad(other, steal).disturbed:
+    load = HostLoad.from_fields(fields)
+    if load is None or not load.disturbed:
         return None
-    return (f"{what} was measured while other processes took {other:.0%} of the CPUs "
-            f"(other guests {steal:.0%}): its timings may be several times too slow; "
+    return (f"{what} was measured while other processes took {load.other:.0%} of the CPUs "
+            f"(other guests {load.steal:.0%}): its timings may be several times too slow; "
             "measure again when the machine is idle")
