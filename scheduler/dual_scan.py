@@ -25,9 +25,13 @@ device's overlap (CostModel.overlap):
   compute-bound tail of full steps. The prefill queue does keep up with that pace, and the
   memory side admits while its steady-state read fits max(remaining compute, remaining
   memory + W·steps) / steps, steps being the most of the decode steps the longest request may
-  still need (overruns allowed for) and the steps the remaining KV reads need at full capacity.
-  Warm-up filler of unknown length counts as decoding until the deadline, and the plan raises a
-  running request's estimate to its subtree's.
+  still need (overruns allowed for) and the steps the remaining KV reads need at full capacity;
+  where KV is short, reading less than it holds only adds steps, so a memory-heavy request
+  skips that check. Warm-up filler of unknown length counts as decoding until the deadline,
+  and the plan raises a running request's estimate to its subtree's. While samples censored
+  at the deadline still run, their subtrees' memory work is a lower bound: compute leads only
+  past r_mem times the overrun factor. Their own estimates (twice what they have run) already
+  treat them as halfway, so the KV peak counts every running request at its estimate.
 - Where they do not overlap (this CPU runtime), mixing hides nothing: every step costs W plus
   its compute plus its memory, so only the step count and the prefix sharing can change. The plan
   keeps the sharing order (no splitting), puts the subtrees with the longest decodes first (they
@@ -269,6 +273,19 @@ class BlendPolicy:
         self._est[req] = new
 
     @property
+    def overrun(self) -> float:
+        """How far a request may run past its estimate (estimate.overrun_factor), ≥ 1."""
+        return self._overrun
+
+    def compute_leads(self, r_comp: float, r_mem: float, steps: float, *,
+                      censored: bool = False) -> bool:
+        """Whether the remaining compute outweighs the remaining memory work (KV reads plus a
+        weights read per step). `censored`: samples cut off at the deadline still run, so
+        their subtrees' memory work is a lower bound; compute leads only past what it may
+        overrun to (r_mem times the overrun factor)."""
+        return r_comp >= r_mem * (self._overrun if censored else 1.0) + self._weights * steps
+
+    @property
     def plan(self) -> Plan | None:
         """The planned order once warm-up has finished (None before)."""
         return self._plan
@@ -446,7 +463,7 @@ class BlendPolicy:
         # The memory side may read up to τ − W per step, τ = the larger remainder (weights read
         # once a step included) over the critical-path steps: ahead of compute is free while
         # compute is the larger remainder, and no faster than the longest decode allows.
-        compute_leads = r_comp >= r_mem + self._weights * steps
+        compute_leads = self.compute_leads(r_comp, r_mem, steps, censored=bool(self._warm_left))
         tau = max(r_comp, r_mem + self._weights * steps) / steps
         read_budget = max(tau - self._weights, 0.0) / self._skv
         # KV is what the steps are short of when the KV reads, at full capacity, need more
@@ -456,32 +473,32 @@ class BlendPolicy:
         queued = float(budget.waiting_prefill_tokens)
         free = float(budget.free_kv_tokens) - queued
         out: list[PlanRequest] = []
-        # 1. Memory side. A request joins it while it fits the read budget, its prompt fits the
-        # executor's free KV, and the KV the running requests will hold at its peak, as they grow
-        # and finish at their estimates, fits. Unless KV is short, it must also fit M_R (at most
-        # RIGHT_MAX_SHARE of the KV, counting average occupancy: memory-side requests overrun
-        # their estimates, and a compute side shut out of KV leaves steps memory-bound) and the
-        # capacity, and the peak must leave the compute side its share; while compute leads, at
-        # most a step of prefill may be queued. Where KV is short, a long decode holds far less
-        # than its average occupancy for most of its life, so only the peak (up to the whole
-        # capacity) and a little free KV for the next prompts bound the memory side.
+        # 1. Memory side. A request joins it while it fits the read budget (a memory-heavy one
+        # skips it where KV is short), its prompt fits the executor's free KV, and the KV the
+        # running requests will hold at its peak, as they grow and finish at their estimates,
+        # fits. Unless KV is short, it must also fit M_R (at most RIGHT_MAX_SHARE of the KV,
+        # counting average occupancy: memory-side requests overrun their estimates, and a compute
+        # side shut out of KV leaves steps memory-bound) and the capacity, and the peak must
+        # leave the compute side its share; while compute leads, at most a step of prefill may
+        # be queued. Where KV is short, a long decode holds far less than its average occupancy
+        # for most of its life, so only the peak (up to the whole capacity) and a little free KV
+        # for the next prompts bound the memory side.
         m_right = min(split.mem_right, RIGHT_MAX_SHARE * capacity) if split is not None else 0.0
         keep_free = (1.0 - RIGHT_MAX_SHARE) * capacity
         free_margin = KV_SHORT_FREE_SHARE * capacity if kv_short else keep_free
         peak_margin = 0.0 if kv_short else keep_free
-        peak = self._kv_peak()
+        peak = self._kv_peak(overruns=False)
 
-        def fits_kv(computed: float, p: float, d: float, overruns_in: bool = False) -> bool:
-            if self._warm_left and not overruns_in:  # censored samples run: see _kv_peak
-                d *= self._overrun
+        def fits_kv(computed: float, p: float, d: float) -> bool:
             return (computed + free_margin <= free
                     and peak.with_request(p, d) + peak_margin <= capacity)
 
-        def fits(computed: float, p: float, d: float) -> bool:
+        def fits(pos: int, computed: float, p: float, d: float) -> bool:
             need = computed + d / 2.0  # what it holds on average over its decode
+            memory_heavy = plan.comp[pos] < plan.mem[pos]
             return (
                 fits_kv(computed, p, d)
-                and self._avg_read + p + d / 2.0 <= read_budget
+                and ((kv_short and memory_heavy) or self._avg_read + p + d / 2.0 <= read_budget)
                 and (kv_short or (self._used[RIGHT] + need <= m_right
                                   and self._used[LEFT] + self._used[RIGHT] + need <= capacity))
                 and not (compute_leads and queued >= self._step_tokens)  # one step queued will do
@@ -507,7 +524,7 @@ class BlendPolicy:
                 break
             p = float(plan.prompt[pos])
             alone = not self._run and not out
-            if not alone and not fits_kv(p, p, crit, overruns_in=True):
+            if not alone and not fits_kv(p, p, crit):
                 break
             self._jumped[0] += float(plan.comp[pos])
             self._jumped[1] += float(plan.mem[pos])
@@ -519,7 +536,8 @@ class BlendPolicy:
             pos = self._right - 1
             computed = float(plan.computed[pos])
             alone = not self._run and not out
-            if not alone and not fits(computed, float(plan.prompt[pos]), float(plan.output[pos])):
+            if not alone and not fits(pos, computed, float(plan.prompt[pos]),
+                                      float(plan.output[pos])):
                 break
             self._right -= 1
             start(pos, computed)
@@ -572,7 +590,9 @@ class BlendPolicy:
         assert plan is not None
         capacity = float(budget.kv_capacity_tokens or self._capacity)
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
-        peak = self._kv_peak()
+        # While censored samples run, every length is allowed its overruns: in sharing order
+        # a preempted request recomputes a prompt its neighbours shared.
+        peak = self._kv_peak(overruns=bool(self._warm_left))
         out: list[PlanRequest] = []
         while self._left < self._right:
             pos = self._left
@@ -589,12 +609,12 @@ class BlendPolicy:
             free -= prompt
         return out
 
-    def _kv_peak(self) -> KvPeak:
-        """The running requests' KV growth and finishes, as their estimates predict (allowing
-        for overruns while censored samples still run: their lengths are lower bounds then).
-        A request admitted in sharing order (_admit_in_order) counts only its unshared prompt."""
+    def _kv_peak(self, *, overruns: bool) -> KvPeak:
+        """The running requests' KV growth and finishes, as their estimates predict, or
+        allowing for overruns (`overruns`). A request admitted in sharing order
+        (_admit_in_order) counts only its unshared prompt."""
         rows = list(self._run.items())
-        col = CRIT if self._warm_left else EST
+        col = CRIT if overruns else EST
         held = np.fromiter((self._unshared.get(i, row[2]) + row[4] for i, row in rows),
                            np.float64, len(rows))
         left = np.fromiter((max(row[col] - row[4], 0.0) for _, row in rows), np.float64, len(rows))
@@ -678,7 +698,7 @@ class BlendPolicy:
         capacity = float(budget.kv_capacity_tokens or self._capacity)
         r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity,
                                               cautious=False)
-        compute_leads = r_comp >= r_mem + self._weights * steps
+        compute_leads = self.compute_leads(r_comp, r_mem, steps)
         # Not the critical-path pace: the lengths behind it are estimates, and guessing the
         # path short spends the compute early and leaves the longest decodes alone in
         # weight-bound steps at the end, while guessing it long costs only a compute-bound tail.

@@ -134,22 +134,65 @@ def test_the_plan_does_not_wait_past_the_deadline_for_a_long_sample():
     assert (pol.plan.output == 32).all()  # censored at g: at least 2g, capped by max_tokens
 
 
+def _decode_until_planned(pol, running, decoding):
+    """Steps of the warm-up in which `decoding` (of the `running` requests) each decode a
+    token, until the policy plans."""
+    step = 0
+    while pol.plan is None:
+        step += 1
+        pol.prefill_budget(make_budget(200_000, running=len(running)))
+        for r in decoding:
+            pol.on_progress(r.id, step)
+        pol.admit(make_budget(200_000, running=len(running)))
+
+
 def test_a_censored_sample_outgrowing_its_estimate_triggers_a_replan():
     reqs = _warm_batch(max_tokens=4096)
     pol = _warm_policy(reqs)
     first = pol.admit(make_budget(200_000))
     samples = [r for r in first if r.id in set(pol.warmup_request_ids)]
-    step = 0
-    while pol.plan is None:
-        step += 1
-        pol.prefill_budget(make_budget(200_000, running=len(first)))
-        for r in samples:
-            pol.on_progress(r.id, step)
-        pol.admit(make_budget(200_000, running=len(first)))
+    _decode_until_planned(pol, first, samples)
     planned = float(pol.plan.output.max())  # censored at g: 2g
     for r in samples[: pol.censored // 4]:  # a quarter run past their estimate (the prior)
         pol.on_progress(r.id, 256)
     assert pol.replans == 1 and pol.plan.output.max() > planned
+
+
+def test_while_censored_samples_run_compute_leads_only_past_their_possible_overruns():
+    reqs = _warm_batch(max_tokens=4096)
+    pol = _warm_policy(reqs)
+    first = pol.admit(make_budget(200_000))
+    samples = [r for r in first if r.id in set(pol.warmup_request_ids)]
+    short, long_ = samples[:5], samples[5:]
+    for r, n in zip(short, (1, 1, 1, 1, 12)):  # one sample runs 12x its neighbours
+        pol.on_finish(r.id, n)
+    _decode_until_planned(pol, first, long_)
+    assert pol.censored == 5 and pol.overrun > 2
+    r_mem = 1.0
+    r_comp = r_mem * (1 + pol.overrun) / 2  # more than the estimates' memory work, less than
+    assert pol.compute_leads(r_comp, r_mem, 0)  # what the censored samples may overrun to
+    assert not pol.compute_leads(r_comp, r_mem, 0, censored=True)
+
+
+def test_where_kv_is_short_the_memory_side_reads_all_the_kv_its_peak_allows():
+    # One 20k-token decode sets the steps; spreading the KV reads over them would leave
+    # most of this KV unread, and every step reads the weights again.
+    capacity = 100_000
+    reqs = [make_request(100, 20_000, max_tokens=32_768)]
+    reqs += [make_request(100, 2000) for _ in range(200)]
+    cost = h200_8b()
+    pol = _policy(reqs, capacity=capacity, cost=cost)
+    r_comp, r_mem, steps = pol.remaining(0, capacity)
+    assert steps == 20_000 and r_mem / (capacity * cost.seconds_per_kv_token) < steps / 2
+    w = cost.weights_read_s
+    read_budget = (max(r_comp, r_mem + w * steps) / steps - w) / cost.seconds_per_kv_token
+    out = pol.admit(make_budget(capacity))
+    assert {pol.side_of(r.id) for r in out} == {1}
+    assert pol.kv_read_tokens == 100 * len(out)  # nothing decoded yet
+    steady_read = sum(100 + (r.known_output_len or 0) / 2 for r in out)  # Σ (p + d/2)
+    assert steady_read > 1.5 * read_budget  # the read budget did not bound it
+    peak = KvPeak(np.full(len(out), 100.0), np.array([float(r.known_output_len) for r in out]))
+    assert peak.with_request(0.0, 0.0) <= capacity < peak.with_request(100.0, 2000.0)  # the KV did
 
 
 def _admit_filler(pol, capacity, rounds=400):
