@@ -493,7 +493,9 @@ class BlendPolicy:
             return (computed + free_margin <= free
                     and peak.with_request(p, d) + peak_margin <= capacity)
 
-        def fits(pos: int, computed: float, p: float, d: float) -> bool:
+        def fits(pos: int) -> bool:
+            computed = float(plan.computed[pos])
+            p, d = float(plan.prompt[pos]), float(plan.output[pos])
             need = computed + d / 2.0  # what it holds on average over its decode
             memory_heavy = plan.comp[pos] < plan.mem[pos]
             return (
@@ -534,13 +536,11 @@ class BlendPolicy:
         self._trim()
         while self._left < self._right:
             pos = self._right - 1
-            computed = float(plan.computed[pos])
             alone = not self._run and not out
-            if not alone and not fits(pos, computed, float(plan.prompt[pos]),
-                                      float(plan.output[pos])):
+            if not alone and not fits(pos):
                 break
             self._right -= 1
-            start(pos, computed)
+            start(pos, float(plan.computed[pos]))
             self._trim()
         # 2. Compute side: keep about one step of prefill queued, in the executor's free KV and
         # in what the memory side leaves; estimate overruns inflate the memory side's
