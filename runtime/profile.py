@@ -41,11 +41,12 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 8  # 2: real steps of a representative run in the fit; 3: attention kind;
+PROFILE_VERSION = 9  # 2: real steps of a representative run in the fit; 3: attention kind;
 # 4: what the measurement covered (a small engine's profile no longer serves a full one);
 # 5: the fit weighted by 1/sqrt(seconds), the representative run sized to the device;
 # 6: the device's default step cap (the simulator's, for this profile); 7: large step shapes;
-# 8: CPU engines reuse freed memory (engine.reuse_freed_memory): large steps run faster
+# 8: CPU engines reuse freed memory (engine.reuse_freed_memory): large steps run faster;
+# 9: the CPU kernel no longer cascades: decodes read (and the steps count) a shared prefix per row
 FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
 LONG_STEP_S = 0.5  # a step shape whose warm-up took longer is timed once more, not `reps` times
@@ -294,8 +295,8 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "overlap": 0.0,  # one stream: attention and GEMMs run one after the other
-        # the torch backend attends a prefix its decodes share once per step, on the CPU
-        "cascade": device.type == "cpu" and engine.attn.name == "torch",
+        # the gather path attends a prefix its decodes share once per step (the kernel per row)
+        "cascade": bool(getattr(engine.attn, "cascades", False)),
         "attention": attention_kind(engine),
         "kernel": _kernel_id(engine),  # a rebuilt kernel (new source or flags) is measured anew
         "linear": linear_kind(engine),  # so are GEMMs run another way (packed, row slices)

@@ -12,11 +12,15 @@ every decode row to 512 queries; prefill chunks are padded in buckets of similar
 1,500-token prompt in the same step as a 40-token one does not make it a 1,500 × 1,500 one. Grouped-query attention folds the query heads that share a
 KV head into the query-length axis, so K/V are never repeated per head.
 
-Decode attention is memory-bound: each step reads every running sequence's whole context. When
-several decodes start with the same cached pages (a shared system prompt), that prefix is gathered
-and attended once for the whole group (cascade attention): the group's queries are stacked against
-the shared pages, each sequence attends to its own remaining pages, and the two partial softmaxes
-are merged through their log-sum-exps.
+Decode attention is memory-bound: each step reads every running sequence's whole context. On
+the gather path, when several decodes start with the same cached pages (a shared system prompt),
+that prefix is gathered and attended once for the whole group (cascade attention): the group's
+queries are stacked against the shared pages, each sequence attends to its own remaining pages,
+and the two partial softmaxes are merged through their log-sum-exps. The kernel does not cascade:
+it copies nothing, and a prefix that every row of its group reads is served from the CPU's
+caches after the first (a layer's 200-token prefix of SmolLM2 is 300 KB), so cascade measured
+0.95-1.02x plain decodes on a 2-core EPYC, 0.77x with groups of 4, where the gather path runs
+it ~2x faster than gathering the prefix once per row.
 """
 
 from __future__ import annotations
@@ -153,6 +157,11 @@ class TorchAttention(AttentionBackend):
         self.prefill_kernel = self.decode_kernel is not None and cpu_kernel.prefill_supported(
             self.decode_kernel, pool.data.dtype, pool.head_dim)
 
+    @property
+    def cascades(self) -> bool:
+        """Whether decodes sharing leading pages attend to them once per group (see the module)."""
+        return self.decode_kernel is None and self.pool.data.device.type == "cpu"
+
     def _decode_seqs(self, kv_lens: Sequence[int], tables: Sequence[Sequence[int]]) -> _Dense | _Paged:
         """Sequences whose query rows all follow their keys: for the kernel, or padded + masked."""
         if self.decode_kernel is None:
@@ -238,7 +247,7 @@ class TorchAttention(AttentionBackend):
         decode: list[tuple[torch.Tensor | None, _Dense | _Paged]] = []
         if nd:
             tables, kv = batch.page_tables[:nd], batch.kv_lens[:nd]
-            cascade = nd > 1 and self.pool.data.device.type == "cpu"
+            cascade = nd > 1 and self.cascades
             shared = self._shared_prefixes(tables, kv) if cascade else [0] * nd
             if any(shared):
                 shared_plan = self._plan_shared(tables, shared)

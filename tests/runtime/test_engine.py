@@ -243,14 +243,20 @@ def test_every_step_is_logged_with_its_shape() -> None:
     assert all(r.seconds > 0 for r in log)
 
 
-def test_the_step_log_counts_a_prefix_shared_by_decodes_once() -> None:
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gather"])
+def test_the_step_log_counts_a_prefix_shared_by_decodes_as_the_backend_reads_it(kernel: bool) -> None:
     engine = make_engine(max_batch_tokens=512)
+    if kernel:
+        assert engine.attn.decode_kernel is not None, "the CPU decode kernel did not build here"
+    else:
+        engine.attn.decode_kernel, engine.attn.prefill_kernel = None, False
     ps = prompts(4, prefix=40, lo=6, hi=7)  # 46-token prompts sharing 40 tokens (10 pages)
     run(engine, greedy(ps, max_tokens=3))
     first_decode = engine.step_log[1]
     assert first_decode.decodes == 4
     own = sum(len(p) + 1 - 40 for p in ps)  # past the shared pages: prompt tail + 1 token
-    assert first_decode.kv_read == own + 40  # the 10 shared pages read once for the group
+    # the kernel reads the shared pages once per row; the gather path once for the group (cascade)
+    assert first_decode.kv_read == (own + 4 * 40 if kernel else own + 40)
 
 
 def test_a_cached_prefix_that_would_start_a_prompt_is_not_also_counted_as_free() -> None:

@@ -131,16 +131,12 @@ def test_backend_registry_knows_torch_and_rejects_unknown_names() -> None:
         make_backend("nope", pool, num_heads=1, scale=1.0)
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["kernel", "gather"])
-def test_cascade_over_shared_pages_equals_plain_decode_attention(in_place: bool) -> None:
+def test_cascade_over_shared_pages_equals_plain_decode_attention() -> None:
     hf = hf_model("llama")
     model, pool = ours(hf)
     cfg = model.config
     attn = make_backend("torch", pool, num_heads=cfg.num_heads, scale=cfg.head_dim**-0.5)
-    if in_place:
-        assert attn.decode_kernel is not None, "the CPU decode kernel did not build here"
-    else:
-        attn.decode_kernel = None
+    attn.decode_kernel = None  # the gather path cascades; the kernel reads shared pages per row
     gen = torch.Generator().manual_seed(3)
     pool.data.normal_(generator=gen)  # arbitrary cached K/V
     # three decodes share pages 0-2; the third also shares page 3 with nobody; one stands alone
