@@ -27,8 +27,8 @@ device's overlap (CostModel.overlap):
   memory + W·steps) / steps, steps being the most of the decode steps the longest request may
   still need (overruns allowed for) and the steps the remaining KV reads need at full capacity;
   where KV is short, reading less than it holds only adds steps, so a memory-heavy request
-  skips that check. Warm-up filler of unknown length counts as decoding until the deadline,
-  and the plan raises a running request's estimate to its subtree's. While samples censored
+  skips that check. Warm-up filler of unknown length counts as decoding twice the steps until
+  the deadline, and the plan raises a running request's estimate to its subtree's. While samples censored
   at the deadline still run, their subtrees' memory work is a lower bound: compute leads only
   past r_mem times the overrun factor. Their own estimates (twice what they have run) already
   treat them as halfway, so the KV peak counts every running request at its estimate.
@@ -72,6 +72,7 @@ ROUND_ABOVE_MULTIPLES = 4  # steps of at least this many batch multiples are rou
 MIN_BLEND_OVERLAP = 0.5  # below this share of overlap, keep the sharing order and full steps
 DEFAULT_STEP_TOKENS = 2048  # the executor's step cap when the caller does not say
 FILLER_KV_SHARE = 0.5  # warm-up filler (unplanned, lengths unknown) fills at most this share of KV
+FILLER_GROWTH = 2.0  # ... counting each as decoding this many times the steps until the plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -652,8 +653,11 @@ class BlendPolicy:
     def _admit_warmup(self, budget: StepBudget) -> list[PlanRequest]:
         """The sample first, then filler (known lengths, then sharing order) while the KV
         estimate fits and less than a step of prefill is queued. A filler request of unknown
-        length counts as decoding at least until the deadline: on the prior alone, a subtree of
-        long generations would fill the KV before the plan knows them."""
+        length counts as decoding for twice the steps until the deadline: one still running
+        then is, like a censored sample, expected to run as long again. On the prior alone, a
+        subtree of long generations would fill the KV before the plan knows them; counted only
+        up to the deadline, ~400 filler generations of a compute-heavy batch outgrew the KV
+        after it and shut the compute side out of KV for thousands of memory-bound steps."""
         out: list[PlanRequest] = []
         until_plan = float(max(self.deadline_steps - self._steps, 0))
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
@@ -667,8 +671,9 @@ class BlendPolicy:
                 req = queue[nxt]
                 p = float(self._reqs[req].prompt_len)
                 need = p + float(self._est[req]) / 2.0
-                if side == LEFT and self._known[req] < 0:  # it may decode until the plan, at least
-                    need = max(need, p + min(float(self._max_tokens[req]), until_plan))
+                if side == LEFT and self._known[req] < 0:  # may still decode past the plan
+                    need = max(need, p + min(float(self._max_tokens[req]),
+                                             FILLER_GROWTH * until_plan))
                 alone = not self._run and not out
                 cap = budget.kv_capacity_tokens * (1.0 if side == RIGHT else FILLER_KV_SHARE)
                 if not alone and (used + need > cap or p > free
