@@ -296,7 +296,7 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "overlap": 0.0,  # one stream: attention and GEMMs run one after the other
         # the gather path attends a prefix its decodes share once per step (the kernel per row)
-        "cascade": bool(getattr(engine.attn, "cascades", False)),
+        "cascade": engine.attn.cascades,
         "attention": attention_kind(engine),
         "kernel": _kernel_id(engine),  # a rebuilt kernel (new source or flags) is measured anew
         "linear": linear_kind(engine),  # so are GEMMs run another way (packed, row slices)

@@ -28,10 +28,11 @@ device's overlap (CostModel.overlap):
   still need (overruns allowed for) and the steps the remaining KV reads need at full capacity;
   where KV is short, reading less than it holds only adds steps, so a memory-heavy request
   skips that check. Warm-up filler of unknown length counts as decoding twice the steps until
-  the deadline, and the plan raises a running request's estimate to its subtree's. While samples censored
-  at the deadline still run, their subtrees' memory work is a lower bound: compute leads only
-  past r_mem times the overrun factor. Their own estimates (twice what they have run) already
-  treat them as halfway, so the KV peak counts every running request at its estimate.
+  the deadline, and the plan raises a running request's estimate to its subtree's. While
+  samples censored at the deadline still run, their subtrees' memory work is a lower bound:
+  compute leads only past r_mem times the overrun factor. Their own estimates (twice what they
+  have run) already treat them as halfway, so the KV peak counts every running request at its
+  estimate.
 - Where they do not overlap (this CPU runtime), mixing hides nothing: every step costs W plus
   its compute plus its memory, so only the step count and the prefix sharing can change. The plan
   keeps the sharing order (no splitting), puts the subtrees with the longest decodes first (they
@@ -72,7 +73,7 @@ ROUND_ABOVE_MULTIPLES = 4  # steps of at least this many batch multiples are rou
 MIN_BLEND_OVERLAP = 0.5  # below this share of overlap, keep the sharing order and full steps
 DEFAULT_STEP_TOKENS = 2048  # the executor's step cap when the caller does not say
 FILLER_KV_SHARE = 0.5  # warm-up filler (unplanned, lengths unknown) fills at most this share of KV
-FILLER_GROWTH = 2.0  # ... counting each as decoding this many times the steps until the plan
+FILLER_GROWTH = 2.0  # filler of unknown length decodes this many times the steps until the plan
 
 
 @dataclass(frozen=True, slots=True)

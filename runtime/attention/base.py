@@ -42,6 +42,12 @@ class AttentionBackend(ABC):
         self.num_heads = num_heads
         self.scale = scale
 
+    @property
+    def cascades(self) -> bool:
+        """Whether decodes sharing leading pages attend to them once per group (and the step
+        counts those pages once)."""
+        return False
+
     @abstractmethod
     def plan(self, batch: AttentionBatch, slot: int = 0) -> Any:
         """Build the index tensors of one step (called once per step, not per layer). Plans that
