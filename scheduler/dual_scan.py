@@ -14,14 +14,17 @@ device's overlap (CostModel.overlap):
   than the compute in full steps), the peak alone bounds the memory side, up to the whole
   capacity. A request that would decode longer than all the other work needs starts at once,
   wherever the plan put it (the critical path). The left cursor admits compute-heavy requests
-  as the prefill queue drains; once memory leads and it reaches clearly memory-heavy requests
-  (Comp < MEMORY_HEAVY_RHO·Mem), the compute side takes them from the right end instead,
-  longest first. Pacing: a step's compute under its memory time (KV reads + one weights read)
-  costs only the non-overlapped share, so the prefill budget fills compute up to that memory
-  time (leaning 10% past it while compute is the larger remainder, 5% short of it while memory
-  is; prompt attention counted). It does not chase the critical-path pace (remaining compute /
-  steps): that rests on estimated lengths, and a path guessed short spends the compute early and
-  leaves the longest decodes alone in weight-bound steps, where one guessed long costs only a
+  as the prefill queue drains, in the KV the reservations leave or, past them, in free KV where
+  the running requests' KV peak allows (a reservation is an estimate, raised at once when its
+  request outgrows it, so reservations can claim more than is held); once memory leads and it
+  reaches clearly memory-heavy requests (Comp < MEMORY_HEAVY_RHO·Mem), the compute side takes
+  them from the right end instead, longest first. Pacing: a step's compute under its memory time
+  (KV reads + one weights read) costs only the non-overlapped share, so the prefill budget fills
+  compute up to that memory time (leaning 10% past it while compute is the larger remainder, 5%
+  short of it while memory is; prompt attention counted). It does not chase the critical-path
+  pace (remaining compute / steps): that rests on estimated lengths, and a path guessed short
+  spends the compute early and leaves the longest decodes alone in weight-bound steps, where one
+  guessed long costs only a
   compute-bound tail of full steps. The prefill queue does keep up with that pace, and the
   memory side admits while its steady-state read fits max(remaining compute, remaining
   memory + W·steps) / steps, steps being the most of the decode steps the longest request may
@@ -126,6 +129,12 @@ class KvPeak:
         """The peak if a request holding `held` tokens now and decoding `left` more joins."""
         c, r = self._insert(held, left)
         return float(np.max(np.cumsum(c) + np.arange(1, len(r) + 1) * r))
+
+    def value(self) -> float:
+        """The peak of the requests as they are (0 for none)."""
+        if len(self._left) == 0:
+            return 0.0
+        return float(np.max(np.cumsum(self._held) + np.arange(1, len(self._left) + 1) * self._left))
 
     def add(self, held: float, left: float) -> None:
         self._held, self._left = self._insert(held, left)
@@ -551,6 +560,17 @@ class BlendPolicy:
         # from the right end instead, longest first: in plan order the longest would start
         # last and decode alone at the end.
         left_room = capacity - min(self._used[RIGHT], RIGHT_MAX_SHARE * capacity) - self._used[LEFT]
+        # Reservations are estimates, and a running request reserves a raised estimate at once
+        # while it holds only its prompt and what it has generated: they may claim more KV than
+        # is held (warm-up filler raised to its subtree's long estimate at the plan). Past them,
+        # a request may take the executor's free KV (less the memory side's margin) where it
+        # does not raise the running requests' KV peak past max(the capacity less that margin,
+        # the peak as it is): a short prompt finishes long before the long decodes have grown.
+        peak_bound = max(capacity - keep_free, peak.value())
+
+        def fits_free(pos: int, need: float) -> bool:
+            return (need + keep_free <= free and peak.with_request(
+                float(plan.prompt[pos]), float(plan.output[pos])) <= peak_bound)
         # The executor's queue counts whole prompts, cached prefixes included: scale the pace.
         lo = self._left
         hi = min(self._right, lo + WINDOW_LEAVES)
@@ -569,12 +589,14 @@ class BlendPolicy:
             computed, d = float(plan.computed[pos]), float(plan.output[pos])
             need = computed + d / 2.0
             alone = not self._run and not out
-            if not alone and (queued >= pace or need > free or need > left_room):
+            if not alone and (queued >= pace or need > free
+                              or (need > left_room and not fits_free(pos, need))):
                 break
             if from_right:
                 self._right -= 1
             else:
                 self._left += 1
+            peak.add(float(plan.prompt[pos]), d)
             out.append(self._take(pos, LEFT, need))
             left_room -= need
             queued += computed

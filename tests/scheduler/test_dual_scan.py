@@ -239,6 +239,28 @@ def test_running_filler_takes_its_subtrees_estimate_at_the_plan():
     assert pol.remaining(0, 200_000, cautious=False)[2] >= 2000
 
 
+def test_prompts_take_free_kv_that_the_raised_estimates_of_running_filler_reserve():
+    # The filler started on the prior; the plan raises it to its subtree's 16k-token estimate,
+    # reserved at once though it holds only its prompts. Short compute-heavy prompts still go
+    # into the KV the executor has free: they finish long before the filler has grown.
+    long_ = [make_request(140, prefix=[1] * 40, max_tokens=16_384) for _ in range(2000)]
+    short = [make_request(1500, prefix=[2] * 30, max_tokens=16_384) for _ in range(2000)]
+    capacity = 200_000
+    pol = _warm_policy(long_ + short)
+    started = _admit_filler(pol, capacity)
+    samples = set(pol.warmup_request_ids)
+    is_long = {r.id for r in long_}
+    filler = [r for r in started if r.id not in samples]
+    assert filler and all(r.id in is_long for r in filler)
+    for r in started:
+        if r.id in samples:
+            pol.on_finish(r.id, 16_000 if r.id in is_long else 4)
+    held = sum(len(r.prompt_token_ids) for r in filler)
+    got = pol.admit(make_budget(capacity, free=capacity - held, running=len(filler)))
+    assert pol.plan is not None and sum(pol.reserved_kv) > capacity  # more than it holds
+    assert got and all(r.id not in is_long for r in got)  # the short prompts, not more filler
+
+
 def test_a_batch_too_small_for_sampling_to_pay_is_planned_at_once_from_the_prior():
     reqs = [make_request(50, prefix=[1] * 40, max_tokens=100) for _ in range(300)]
     pol = _policy(reqs, sample_rate=0.02)
