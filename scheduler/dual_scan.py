@@ -30,8 +30,8 @@ device's overlap (CostModel.overlap):
   memory + W·steps) / steps, steps being the most of the decode steps the longest request may
   still need (overruns allowed for) and the steps the remaining KV reads need at full capacity;
   where KV is short, reading less than it holds only adds steps, so a memory-heavy request
-  skips that check. Warm-up filler of unknown length counts as decoding twice the steps until
-  the deadline, and the plan raises a running request's estimate to its subtree's. While
+  skips that check. Warm-up filler of unknown length counts as decoding twice the warm-up's
+  steps, and the plan raises a running request's estimate to its subtree's. While
   samples censored at the deadline still run, their subtrees' memory work is a lower bound:
   compute leads only past r_mem times the overrun factor. Their own estimates (twice what they
   have run) already treat them as halfway, so the KV peak counts every running request at its
@@ -76,7 +76,7 @@ ROUND_ABOVE_MULTIPLES = 4  # steps of at least this many batch multiples are rou
 MIN_BLEND_OVERLAP = 0.5  # below this share of overlap, keep the sharing order and full steps
 DEFAULT_STEP_TOKENS = 2048  # the executor's step cap when the caller does not say
 FILLER_KV_SHARE = 0.5  # warm-up filler (unplanned, lengths unknown) fills at most this share of KV
-FILLER_GROWTH = 2.0  # filler of unknown length decodes this many times the steps until the plan
+FILLER_GROWTH = 2.0  # filler of unknown length decodes this many times the warm-up's steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -676,13 +676,16 @@ class BlendPolicy:
     def _admit_warmup(self, budget: StepBudget) -> list[PlanRequest]:
         """The sample first, then filler (known lengths, then sharing order) while the KV
         estimate fits and less than a step of prefill is queued. A filler request of unknown
-        length counts as decoding for twice the steps until the deadline: one still running
-        then is, like a censored sample, expected to run as long again. On the prior alone, a
-        subtree of long generations would fill the KV before the plan knows them; counted only
-        up to the deadline, ~400 filler generations of a compute-heavy batch outgrew the KV
-        after it and shut the compute side out of KV for thousands of memory-bound steps."""
+        length counts as decoding for twice the warm-up's steps (the deadline), when it starts
+        as at the first step: one running through the warm-up is, like a censored sample,
+        expected to run as long again, and a later start says nothing about its length. On the
+        prior alone, a subtree of long generations would fill the KV before the plan knows
+        them; counted only up to the deadline, ~400 filler generations of a compute-heavy batch
+        outgrew the KV after it and shut the compute side out of KV for thousands of
+        memory-bound steps, and counted to twice what was left of the warm-up, the filler that
+        started late did so wherever the warm-up was short."""
         out: list[PlanRequest] = []
-        until_plan = float(max(self.deadline_steps - self._steps, 0))
+        growth = FILLER_GROWTH * float(self.deadline_steps)
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
         queued = float(budget.waiting_prefill_tokens)
         used = self._used[LEFT] + self._used[RIGHT]
@@ -695,8 +698,7 @@ class BlendPolicy:
                 p = float(self._reqs[req].prompt_len)
                 need = p + float(self._est[req]) / 2.0
                 if side == LEFT and self._known[req] < 0:  # may still decode past the plan
-                    need = max(need, p + min(float(self._max_tokens[req]),
-                                             FILLER_GROWTH * until_plan))
+                    need = max(need, p + min(float(self._max_tokens[req]), growth))
                 alone = not self._run and not out
                 cap = budget.kv_capacity_tokens * (1.0 if side == RIGHT else FILLER_KV_SHARE)
                 if not alone and (used + need > cap or p > free

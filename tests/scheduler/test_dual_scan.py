@@ -206,7 +206,7 @@ def _admit_filler(pol, capacity, rounds=400):
     return out
 
 
-def test_warm_up_filler_of_unknown_length_counts_as_decoding_twice_as_long_as_until_the_plan():
+def test_warm_up_filler_of_unknown_length_counts_as_decoding_twice_the_warm_up():
     # generations whose lengths nobody knows yet: on the 256-token prior alone the filler would
     # take over twice as many of them, and their real growth could fill the KV before the plan; one
     # still running at the plan is expected to run as long again, like a censored sample
@@ -219,6 +219,22 @@ def test_warm_up_filler_of_unknown_length_counts_as_decoding_twice_as_long_as_un
     held = len(filler) * (140 + 2 * pol.deadline_steps)  # prompt + decoding, twice to the plan
     assert filler and held <= FILLER_KV_SHARE * capacity
     assert len(filler) < 0.5 * FILLER_KV_SHARE * capacity / (140 + 256 / 2)
+
+
+def test_filler_started_late_in_the_warm_up_reserves_as_much_as_filler_started_first():
+    # when a request starts says nothing about its length: counted to twice what is left of the
+    # warm-up, filler started near the deadline looked short and the KV filled with it
+    reqs = _warm_batch(n=4000, max_tokens=4096)
+    pol = _warm_policy(reqs)
+    samples = pol.admit(make_budget(200_000))
+    assert {r.id for r in samples} == set(pol.warmup_request_ids)
+    for _ in range(pol.deadline_steps - 10):
+        pol.prefill_budget(make_budget(200_000, running=len(samples)))
+    before = pol.reserved_kv[0]
+    filler = pol.admit(make_budget(200_000, running=len(samples)))
+    assert filler and pol.plan is None
+    each = (pol.reserved_kv[0] - before) / len(filler)
+    assert each == pytest.approx(140 + 2 * pol.deadline_steps)
 
 
 def test_running_filler_takes_its_subtrees_estimate_at_the_plan():
