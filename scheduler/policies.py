@@ -2,7 +2,7 @@
 
 The baselines share one admission rule (`OrderedPolicy`): take requests in a fixed order while the
 policy's own KV estimate fits, with no prefill pacing. Only the order differs, so a comparison
-between them measures ordering. `blend` lives in `dual_scan.py`.
+between them measures ordering. `blend` lives in `dual_scan/`.
 """
 
 from __future__ import annotations

@@ -1,56 +1,14 @@
-"""The `blend` admission policy: warm-up beside filler work, then a dual scan over the plan.
-
-Lifecycle: (1) warm-up (warmup.py): a ~1% sample runs for its lengths while steps are filled
-with work that needs no estimate; (2) estimate the rest, sort and split (split.py) into one
-sequence, compute-heavy left, memory-heavy right; (3) admission and pacing, which depend on the
-device's overlap (CostModel.overlap):
-
-- Where compute and memory overlap (a GPU with two streams), the dual scan: each step the right
-  cursor admits memory-heavy requests, longest first so long decodes start early, within
-  M_R = M − M_L, M_L = M·(ρ_t − ρ_R)/(ρ_L − ρ_R) clamped to [0, M] (each request counted at
-  its average occupancy p + d̂/2), while the KV the running requests will hold at its peak, as
-  they grow and finish at their estimates (KvPeak), leaves the compute side its share. Where KV
-  is what the steps are short of (memory leads and its reads at full capacity need more steps
-  than the compute in full steps), the peak alone bounds the memory side, up to the whole
-  capacity. A request that would decode longer than all the other work needs starts at once,
-  wherever the plan put it (the critical path). The left cursor admits compute-heavy requests
-  as the prefill queue drains, in the KV the reservations leave or, past them, in free KV where
-  the running requests' KV peak allows (a reservation is an estimate, raised at once when its
-  request outgrows it, so reservations can claim more than is held); once memory leads and it
-  reaches clearly memory-heavy requests (Comp < MEMORY_HEAVY_RHO·Mem), the compute side takes
-  them from the right end instead, longest first. Pacing: a step's compute under its memory time
-  (KV reads + one weights read) costs only the non-overlapped share, so the prefill budget fills
-  compute up to that memory time (leaning 10% past it while compute is the larger remainder, 5%
-  short of it while memory is; prompt attention counted). It does not chase the critical-path
-  pace (remaining compute / steps): that rests on estimated lengths, and a path guessed short
-  spends the compute early and leaves the longest decodes alone in weight-bound steps, where one
-  guessed long costs only a
-  compute-bound tail of full steps. The prefill queue does keep up with that pace, and the
-  memory side admits while its steady-state read fits max(remaining compute, remaining
-  memory + W·steps) / steps, steps being the most of the decode steps the longest request may
-  still need (overruns allowed for) and the steps the remaining KV reads need at full capacity;
-  where KV is short, reading less than it holds only adds steps, so a memory-heavy request
-  skips that check. Warm-up filler of unknown length counts as decoding twice the warm-up's
-  steps, and the plan raises a running request's estimate to its subtree's. While
-  samples censored at the deadline still run, their subtrees' memory work is a lower bound:
-  compute leads only past r_mem times the overrun factor. Their own estimates (twice what they
-  have run) already treat them as halfway, so the KV peak counts every running request at its
-  estimate.
-- Where they do not overlap (this CPU runtime), mixing hides nothing: every step costs W plus
-  its compute plus its memory, so only the step count and the prefix sharing can change. The plan
-  keeps the sharing order (no splitting), puts the subtrees with the longest decodes first (they
-  set the step count), admits as far as the KV estimate allows, and never paces: full steps.
-"""
+"""`BlendPolicy`: the `blend` admission policy (see the package docstring)."""
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from scheduler.cost_model import CostModel
+from scheduler.dual_scan.memory import KvPeak, MemorySplit, split_memory, steady_prefill
 from scheduler.errors import PlanningError
 from scheduler.estimate import (
     corrected_estimate,
@@ -79,69 +37,8 @@ FILLER_KV_SHARE = 0.5  # warm-up filler (unplanned, lengths unknown) fills at mo
 FILLER_GROWTH = 2.0  # filler of unknown length decodes this many times the warm-up's steps
 
 
-@dataclass(frozen=True, slots=True)
-class MemorySplit:
-    """One step's view of the two cursors: densities, memory shares and steady-state prefill."""
-
-    rho_left: float
-    rho_right: float
-    rho_target: float
-    mem_left: float  # KV tokens of the left (compute-heavy) side
-    mem_right: float
-    prefill_left: float  # DESIGN.md steady state C = N·p̄/d̄ of each side, tokens per step
-    prefill_right: float
-
-
-def split_memory(
-    rho_left: float, rho_right: float, rho_target: float, capacity: float
-) -> tuple[float, float]:
-    """M_L = M·(ρ_t − ρ_R)/(ρ_L − ρ_R) clamped to [0, M]; all to the left when densities tie."""
-    if not rho_left > rho_right:
-        return float(capacity), 0.0
-    share = (rho_target - rho_right) / (rho_left - rho_right)
-    m_left = float(capacity) * min(1.0, max(0.0, share))
-    return m_left, float(capacity) - m_left
-
-
-def steady_prefill(mem_tokens: float, mean_computed: float, mean_output: float) -> float:
-    """C = N·p̄/d̄ with N = M/(p̄ + d̄/2): prefill that replaces a side's finishers each step."""
-    if mem_tokens <= 0 or mean_output <= 0:
-        return 0.0
-    n = mem_tokens / max(mean_computed + mean_output / 2.0, 1.0)
-    return n * mean_computed / mean_output
-
-
-class KvPeak:
-    """The most KV a set of running requests will hold: request i holds c_i + t tokens until
-    it finishes r_i steps from now, so with r sorted descending the peak is
-    max_k (c_1 + … + c_k + k·r_k), just before the k-th longest finishes."""
-
-    def __init__(self, held: np.ndarray, left: np.ndarray) -> None:
-        order = np.argsort(-left, kind="stable")
-        self._held = held[order]  # c: KV held now, by remaining steps, descending
-        self._left = left[order]  # r
-
-    def _insert(self, held: float, left: float) -> tuple[np.ndarray, np.ndarray]:
-        k = int(np.searchsorted(-self._left, -left, side="right"))
-        return np.insert(self._held, k, held), np.insert(self._left, k, left)
-
-    def with_request(self, held: float, left: float) -> float:
-        """The peak if a request holding `held` tokens now and decoding `left` more joins."""
-        c, r = self._insert(held, left)
-        return float(np.max(np.cumsum(c) + np.arange(1, len(r) + 1) * r))
-
-    def value(self) -> float:
-        """The peak of the requests as they are (0 for none)."""
-        if len(self._left) == 0:
-            return 0.0
-        return float(np.max(np.cumsum(self._held) + np.arange(1, len(self._left) + 1) * self._left))
-
-    def add(self, held: float, left: float) -> None:
-        self._held, self._left = self._insert(held, left)
-
-
 class BlendPolicy:
-    """BlendServe's planner as an AdmissionPolicy; see the module docstring."""
+    """BlendServe's planner as an AdmissionPolicy; see the package docstring."""
 
     name = "blend"
 

@@ -1,0 +1,56 @@
+"""The `blend` admission policy: warm-up beside filler work, then a dual scan over the plan.
+
+Lifecycle: (1) warm-up (warmup.py): a ~1% sample runs for its lengths while steps are filled
+with work that needs no estimate; (2) estimate the rest, sort and split (split.py) into one
+sequence, compute-heavy left, memory-heavy right; (3) admission and pacing, which depend on the
+device's overlap (CostModel.overlap):
+
+- Where compute and memory overlap (a GPU with two streams), the dual scan: each step the right
+  cursor admits memory-heavy requests, longest first so long decodes start early, within
+  M_R = M − M_L, M_L = M·(ρ_t − ρ_R)/(ρ_L − ρ_R) clamped to [0, M] (each request counted at
+  its average occupancy p + d̂/2), while the KV the running requests will hold at its peak, as
+  they grow and finish at their estimates (KvPeak), leaves the compute side its share. Where KV
+  is what the steps are short of (memory leads and its reads at full capacity need more steps
+  than the compute in full steps), the peak alone bounds the memory side, up to the whole
+  capacity. A request that would decode longer than all the other work needs starts at once,
+  wherever the plan put it (the critical path). The left cursor admits compute-heavy requests
+  as the prefill queue drains, in the KV the reservations leave or, past them, in free KV where
+  the running requests' KV peak allows (a reservation is an estimate, raised at once when its
+  request outgrows it, so reservations can claim more than is held); once memory leads and it
+  reaches clearly memory-heavy requests (Comp < MEMORY_HEAVY_RHO·Mem), the compute side takes
+  them from the right end instead, longest first. Pacing: a step's compute under its memory time
+  (KV reads + one weights read) costs only the non-overlapped share, so the prefill budget fills
+  compute up to that memory time (leaning 10% past it while compute is the larger remainder, 5%
+  short of it while memory is; prompt attention counted). It does not chase the critical-path
+  pace (remaining compute / steps): that rests on estimated lengths, and a path guessed short
+  spends the compute early and leaves the longest decodes alone in weight-bound steps, where one
+  guessed long costs only a
+  compute-bound tail of full steps. The prefill queue does keep up with that pace, and the
+  memory side admits while its steady-state read fits max(remaining compute, remaining
+  memory + W·steps) / steps, steps being the most of the decode steps the longest request may
+  still need (overruns allowed for) and the steps the remaining KV reads need at full capacity;
+  where KV is short, reading less than it holds only adds steps, so a memory-heavy request
+  skips that check. Warm-up filler of unknown length counts as decoding twice the warm-up's
+  steps, and the plan raises a running request's estimate to its subtree's. While
+  samples censored at the deadline still run, their subtrees' memory work is a lower bound:
+  compute leads only past r_mem times the overrun factor. Their own estimates (twice what they
+  have run) already treat them as halfway, so the KV peak counts every running request at its
+  estimate.
+- Where they do not overlap (this CPU runtime), mixing hides nothing: every step costs W plus
+  its compute plus its memory, so only the step count and the prefix sharing can change. The plan
+  keeps the sharing order (no splitting), puts the subtrees with the longest decodes first (they
+  set the step count), admits as far as the KV estimate allows, and never paces: full steps.
+"""
+
+from scheduler.dual_scan.memory import KvPeak, MemorySplit, split_memory, steady_prefill
+from scheduler.dual_scan.policy import FILLER_KV_SHARE, PACE_LEAN_PAST, BlendPolicy
+
+__all__ = [
+    "FILLER_KV_SHARE",
+    "PACE_LEAN_PAST",
+    "BlendPolicy",
+    "KvPeak",
+    "MemorySplit",
+    "split_memory",
+    "steady_prefill",
+]
