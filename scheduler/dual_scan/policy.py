@@ -18,7 +18,7 @@ from scheduler.estimate import (
     overrun_factor,
 )
 from scheduler.prefix_tree import PrefixTree
-from scheduler.split import Plan, build_plan
+from scheduler.split import DEFAULT_KEEP_SHARING, Plan, build_plan
 from scheduler.types import PlanRequest, StepBudget
 from scheduler.warmup import plan_warmup, prior_lengths
 
@@ -51,7 +51,7 @@ class BlendPolicy:
         kv_capacity_tokens: int,
         sample_rate: float = 0.01,
         seed: int = 0,
-        keep_sharing: float = 0.99,
+        keep_sharing: float = DEFAULT_KEEP_SHARING,
         step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
         self._reqs = list(requests)
