@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from scheduler.estimate import (
+    OVERRUN_CAP,
     corrected_estimate,
     estimate_output_lengths,
     length_dispersion,
@@ -99,7 +100,7 @@ def test_spread_lengths_raise_dispersion_and_overrun_factor():
     sampled = np.array([0, 1, 2, 3])
     lens = np.array([10.0, 10.0, 10.0, 100.0])
     assert length_dispersion(TREE, sampled, lens) > 1.5
-    assert overrun_factor(TREE, sampled, lens) == 4.0  # 100 / 10, capped at 4
+    assert overrun_factor(TREE, sampled, lens) == OVERRUN_CAP  # 100 / 10, capped
 
 
 def _grouped(groups_of: dict[int, str], priors_of: dict[int, float] | None = None):
