@@ -1,7 +1,8 @@
 """The `blend` admission policy: warm-up beside filler work, then a dual scan over the plan.
 
 Lifecycle: (1) warm-up (warmup.py): a ~1% sample runs for its lengths while steps are filled
-with work that needs no estimate; (2) estimate the rest, sort and split (split.py) into one
+with work that needs no estimate (where compute and memory overlap, once the sample has
+prefilled, only up to the step's memory time); (2) estimate the rest, sort and split (split.py) into one
 sequence, compute-heavy left, memory-heavy right; (3) admission and pacing, which depend on the
 device's overlap (CostModel.overlap):
 

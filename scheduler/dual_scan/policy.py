@@ -560,6 +560,8 @@ class BlendPolicy:
     def _prefill_token_s(self) -> float:
         """Compute seconds of one prefill token at the left cursor: the linear layers plus its
         share of the prompt's attention (which a long prompt makes a few percent more)."""
+        if self._plan is None:
+            return self._spt
         lo = self._left
         hi = min(self._right, lo + WINDOW_LEAVES)
         computed = self._cum_computed[hi] - self._cum_computed[lo]
@@ -616,10 +618,12 @@ class BlendPolicy:
         when blending. A step big enough to be compute-bound carries a total token count
         (decode + prefill) in batch multiples; a small one is exact (on a GPU it is
         weight-bound, so padding buys nothing). Rounding remainders carry over as credit, so
-        the average rate is exact."""
+        the average rate is exact. Before the plan: `_warmup_prefill`."""
         self._steps += 1
-        if not self.blending or self._plan is None or self._read <= 0:
-            return None  # full steps: no overlap to pace for, warm-up, or nothing decodes
+        if not self.blending or self._read <= 0:
+            return None  # full steps: no overlap to pace for, or nothing decodes
+        if self._plan is None:
+            return self._warmup_prefill()
         multiple = max(1, self._cost.hardware.batch_multiple)
         decoding = self._decoding
         capacity = float(budget.kv_capacity_tokens or self._capacity)
@@ -639,6 +643,18 @@ class BlendPolicy:
         prefill = max(int(total // grain) * grain - decoding, 0)
         self._credit -= prefill
         return prefill
+
+    def _warmup_prefill(self) -> int | None:
+        """Warm-up: the sample prefills in full steps (its lengths are what the warm-up is
+        for); then the filler's prefill fills compute to the step's memory time, leaning past it
+        as while compute leads. Which of the two leads is not known before the plan: full
+        filler steps are compute-bound, which a memory-bound batch pays for in full (memory_low
+        spent ~20 s of its first 600 steps so), while a compute-bound batch loses only the
+        slack of a few hundred steps."""
+        if self._warm_next < len(self._samples) or any(
+                self._run[i][4] == 0 for i in self._samples if i in self._run):
+            return None
+        return int(self._prefill_tokens(self._decoding, compute_leads=True))
 
     def on_finish(self, request_id: str, output_len: int) -> None:
         req = self._index.get(request_id)

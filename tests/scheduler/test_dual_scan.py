@@ -196,6 +196,23 @@ def test_where_kv_is_short_the_memory_side_reads_all_the_kv_its_peak_allows():
     assert peak.with_request(0.0, 0.0) <= capacity < peak.with_request(100.0, 2000.0)  # the KV did
 
 
+def test_warm_up_paces_the_filler_once_the_sample_has_prefilled():
+    # full filler steps are compute-bound; a memory-bound batch pays for every one of them
+    reqs = _warm_batch()
+    pol = _warm_policy(reqs)
+    samples = pol.admit(make_budget(200_000))
+    assert pol.prefill_budget(make_budget(200_000, waiting=1400)) is None  # the sample: full
+    for r in samples:
+        pol.on_progress(r.id, 1)
+    assert pol.admit(make_budget(200_000, running=len(samples)))  # filler joins
+    budget = pol.prefill_budget(make_budget(200_000, running=len(samples), waiting=5000))
+    cost = h200_8b()
+    memory = pol.kv_read_tokens * cost.seconds_per_kv_token + cost.weights_read_s
+    want = (memory * (1 + PACE_LEAN_PAST) - len(samples) * cost.seconds_per_token)
+    assert budget == int(want / cost.seconds_per_token)
+    assert 0 < budget < 256 and pol.plan is None
+
+
 def _admit_filler(pol, capacity, rounds=400):
     """Warm-up admissions with the prefill queue drained each step and nothing finishing."""
     out = pol.admit(make_budget(capacity))
