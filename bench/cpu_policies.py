@@ -13,8 +13,10 @@ Each run's prediction uses the profile as that run loaded it (copied beside its 
 while the run ran (runtime/host_load.py): a run past 5% was slowed by it, often by more than
 that share, and so was a profile measured under load (the table says so under it).
 
-The prediction is the simulator CLI itself: the workload becomes a trace (prompt token ids with
-the chat template applied, the output lengths the run produced) and
+The prediction is the simulator CLI itself: the workload becomes a trace per run (prompt token
+ids with the chat template applied, the output lengths that run produced: where the model's EOS
+ends a request, runs that batch it differently produce different lengths, since greedy decoding
+in bfloat16 is not batch-invariant) and
 `python -m scheduler.simulate TRACE --hardware PROFILE --policy P --max-step-tokens N --kv-tokens K`
 replays it.
 
@@ -76,27 +78,36 @@ def run_one(inp: Path, out_dir: Path, policy: str | None, cap: int | None,
     return data
 
 
-def write_trace(inp: Path, output_file: Path, trace: Path) -> None:
-    """The workload as a simulator trace: chat-templated prompt ids, the run's output lengths."""
+def workload_prompts(inp: Path) -> list[dict[str, Any]]:
+    """The workload's requests as the engine sees them: chat-templated prompt ids, max_tokens."""
     from runtime.loader import DEFAULT_MODEL, load_model
     from runtime.openai_adapter import to_engine_request
 
     model = load_model(DEFAULT_MODEL, data_dir=ROOT / "data")
+    prompts = []
+    for raw in inp.read_text().splitlines():
+        item = json.loads(raw)
+        req = to_engine_request(item["custom_id"], item["url"], item["body"], model.tokenizer,
+                                served_model=model.name, max_model_len=8192)
+        if isinstance(req, Exception) or not hasattr(req, "prompt_token_ids"):
+            continue
+        prompts.append({"id": item["custom_id"], "prompt_token_ids": list(req.prompt_token_ids),
+                        "max_tokens": req.params.max_tokens,
+                        "ignore_eos": bool(req.params.ignore_eos)})
+    return prompts
+
+
+def write_trace(prompts: list[dict[str, Any]], output_file: Path, trace: Path) -> None:
+    """The workload as a simulator trace with one run's output lengths: greedy decoding in
+    bfloat16 is not batch-invariant, so where the model's EOS ends a request, runs that batch
+    it differently produce different lengths, and each run is predicted from its own."""
     produced = {}
     for line in output_file.read_text().splitlines():
         rec = json.loads(line)
         produced[rec["custom_id"]] = rec["response"]["body"]["usage"]["completion_tokens"]
     with trace.open("w") as f:
-        for raw in inp.read_text().splitlines():
-            item = json.loads(raw)
-            req = to_engine_request(item["custom_id"], item["url"], item["body"], model.tokenizer,
-                                    served_model=model.name, max_model_len=8192)
-            if isinstance(req, Exception) or not hasattr(req, "prompt_token_ids"):
-                continue
-            f.write(json.dumps({"id": item["custom_id"], "prompt_token_ids": list(req.prompt_token_ids),
-                                "output_len": max(produced[item["custom_id"]], 1),
-                                "max_tokens": req.params.max_tokens,
-                                "ignore_eos": bool(req.params.ignore_eos)}) + "\n")
+        for p in prompts:
+            f.write(json.dumps({**p, "output_len": max(produced[p["id"]], 1)}) + "\n")
 
 
 def simulate(trace: Path, report: dict[str, Any], policy: str) -> float:
@@ -131,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, runs in json.loads(args.predict_from.read_text()).items():
             for r in runs:
                 r["profile"]["path"] = str(_profile_now(r, args.out))
-                r["predicted_seconds"] = simulate(args.out / f"{name}.trace.jsonl", r, r["policy"])
+                trace = Path(r.get("trace") or args.out / f"{name}.trace.jsonl")
+                r["predicted_seconds"] = simulate(trace, r, r["policy"])
             print_table(name, runs)
         return 0
     paths = cpu_workloads.write(args.out, scale=args.scale)
@@ -142,10 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         inp = paths[name]
         rounds = [_round(inp, args.out, configs, k, args.kv_memory) for k in range(args.repeat)]
         runs = [_best_run([r[i] for r in rounds]) for i in range(len(configs))]
-        trace = args.out / f"{name}.trace.jsonl"
-        write_trace(inp, Path(runs[0]["output_file"]), trace)
+        prompts = workload_prompts(inp)
         for r in runs:
-            r["predicted_seconds"] = simulate(trace, r, r["policy"])
+            r["trace"] = str(Path(r["output_file"]).with_suffix(".trace.jsonl"))
+            write_trace(prompts, Path(r["output_file"]), Path(r["trace"]))
+            r["predicted_seconds"] = simulate(Path(r["trace"]), r, r["policy"])
         results[name] = runs
         print_table(name, runs)
     if args.json_out:
@@ -204,6 +217,13 @@ def print_table(name: str, runs: list[dict[str, Any]]) -> None:
           f"{blend['cached_tokens']} vs {best['cached_tokens']}; by the step model over the steps "
           f"each run took (no timing noise): {model_best['step_model_seconds'] / blend['step_model_seconds']:.3f}x "
           f"the best ({model_best['label']})")
+    outputs = [r["output_tokens"] for r in runs]
+    if min(outputs) != max(outputs):  # the model's EOS, batched differently (write_trace)
+        fastest = max(base, key=lambda r: r["output_tokens_per_s"])
+        print(f"\noutput tokens differ between runs ({min(outputs)}-{max(outputs)}), so wall "
+              f"times compare different work: by output tokens/s, blend is "
+              f"{blend['output_tokens_per_s'] / fastest['output_tokens_per_s']:.3f}x the best "
+              f"baseline ({fastest['label']})")
     disturbed = [r["label"] for r in runs if (load := _host_load(r)) and load.disturbed]
     if disturbed:
         print(f"\nother processes took more than {DISTURBED:.0%} of the CPUs during: "
