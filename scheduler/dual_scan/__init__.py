@@ -2,9 +2,9 @@
 
 Lifecycle: (1) warm-up (warmup.py): a ~1% sample runs for its lengths while steps are filled
 with work that needs no estimate (where compute and memory overlap, once the sample has
-prefilled, only up to the step's memory time); (2) estimate the rest, sort and split (split.py) into one
-sequence, compute-heavy left, memory-heavy right; (3) admission and pacing, which depend on the
-device's overlap (CostModel.overlap):
+prefilled, only up to the step's memory time); (2) estimate the rest, sort and split (split.py)
+into one sequence, compute-heavy left, memory-heavy right; (3) admission and pacing, which
+depend on the device's overlap (CostModel.overlap):
 
 - Where compute and memory overlap (a GPU with two streams), the dual scan: each step the right
   cursor admits memory-heavy requests, longest first so long decodes start early, within
