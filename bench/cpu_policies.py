@@ -98,9 +98,8 @@ def workload_prompts(inp: Path) -> list[dict[str, Any]]:
 
 
 def write_trace(prompts: list[dict[str, Any]], output_file: Path, trace: Path) -> None:
-    """The workload as a simulator trace with one run's output lengths: greedy decoding in
-    bfloat16 is not batch-invariant, so where the model's EOS ends a request, runs that batch
-    it differently produce different lengths, and each run is predicted from its own."""
+    """The workload as a simulator trace with one run's output lengths (runs differ in them
+    where the model's EOS ends a request: see the module docstring)."""
     produced = {}
     for line in output_file.read_text().splitlines():
         rec = json.loads(line)

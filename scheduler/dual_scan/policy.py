@@ -84,6 +84,7 @@ class BlendPolicy:
         self._warm_next = 0  # next sample to admit
         self._fill_next = 0  # next filler request to consider
         self._warm_left = set(self._samples)  # samples not finished yet
+        self._sample_in = False  # every sample admitted and past its prefill (_warmup_prefill)
         self._sample_lens: dict[int, int] = {}
         self._started = np.zeros(len(self._reqs), dtype=bool)  # admitted (the plan skips them)
         self._learned = 0  # sample lengths learned since the last plan
@@ -651,9 +652,11 @@ class BlendPolicy:
         filler steps are compute-bound, which a memory-bound batch pays for in full (memory_low
         spent ~20 s of its first 600 steps so), while a compute-bound batch loses only the
         slack of a few hundred steps."""
-        if self._warm_next < len(self._samples) or any(
-                self._run[i][4] == 0 for i in self._samples if i in self._run):
-            return None
+        if not self._sample_in:  # once every sample has its first token, it stays so
+            self._sample_in = self._warm_next >= len(self._samples) and all(
+                self._run[i][4] > 0 for i in self._samples if i in self._run)
+            if not self._sample_in:
+                return None
         return int(self._prefill_tokens(self._decoding, compute_leads=True))
 
     def on_finish(self, request_id: str, output_len: int) -> None:

@@ -208,7 +208,7 @@ def test_warm_up_paces_the_filler_once_the_sample_has_prefilled():
     budget = pol.prefill_budget(make_budget(200_000, running=len(samples), waiting=5000))
     cost = h200_8b()
     memory = pol.kv_read_tokens * cost.seconds_per_kv_token + cost.weights_read_s
-    want = (memory * (1 + PACE_LEAN_PAST) - len(samples) * cost.seconds_per_token)
+    want = memory * (1 + PACE_LEAN_PAST) - len(samples) * cost.seconds_per_token
     assert budget == int(want / cost.seconds_per_token)
     assert 0 < budget < 256 and pol.plan is None
 
