@@ -1,4 +1,5 @@
-"""Synthetic trace generators: family shapes, the 2×2 grid's ρ and sharing, files the simulator reads."""
+"""Synthetic trace generators: family shapes, the 2×2 grid's ρ and sharing, files the simulator
+reads, and bench/robustness.py, which runs blend on them."""
 
 from __future__ import annotations
 
@@ -96,3 +97,19 @@ def test_scale_trace_streams_to_disk_with_150_prompt_tokens_a_request(tmp_path: 
     assert len(entries) == 2000 == stats.requests
     assert stats.mean_prompt == pytest.approx(150, rel=0.15)
     assert sum(e.request.prompt_len for e in entries) == stats.prompt_tokens
+
+
+def test_robustness_bench_runs_blend_once_per_trace_and_draw(tmp_path: Path, capsys) -> None:
+    from bench import robustness
+
+    out = tmp_path / "runs.json"
+    assert robustness.main(["--root", str(tmp_path), "--requests", "300", "--trace-seeds", "0,2",
+                            "--seeds", "0,1", "--workers", "1", "--json-out", str(out)]) == 0
+    runs = json.loads(out.read_text())
+    assert sorted((r["trace"], r["seed"]) for r in runs) == sorted(
+        (str(tmp_path / folder / f"{name}.jsonl"), seed) for folder in ("traces", "traces_s2")
+        for name in mt.MIXES for seed in (0, 1))
+    assert all(0.0 < r["of_bound"] <= 1.0 for r in runs)  # no schedule beats the bound
+    table = capsys.readouterr().out
+    assert f"| all | {len(runs)} |" in table
+    assert all(f"| {name} | 4 |" in table for name in mt.MIXES)
