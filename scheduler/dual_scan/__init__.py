@@ -22,7 +22,9 @@ depend on the device's overlap (CostModel.overlap):
   them from the right end instead, longest first. Pacing: a step's compute under its memory time
   (KV reads + one weights read) costs only the non-overlapped share, so the prefill budget fills
   compute up to that memory time (leaning 10% past it while compute is the larger remainder, 5%
-  short of it while memory is; prompt attention counted). It does not chase the critical-path
+  short of it while memory is; where the longest running decode at its estimate and at its
+  overrun allowance disagree on that, as the steps paced so far were bound; prompt attention
+  counted). It does not chase the critical-path
   pace (remaining compute / steps): that rests on estimated lengths, and a path guessed short
   spends the compute early and leaves the longest decodes alone in weight-bound steps, where one
   guessed long costs only a

@@ -90,6 +90,7 @@ class BlendPolicy:
         self._learned = 0  # sample lengths learned since the last plan
         self.replans = 0  # plans rebuilt as censored samples finished
         self._steps = 0  # steps seen (prefill_budget calls)
+        self._paced = [0.0, 0.0]  # compute, memory seconds of the steps paced after the plan
         self.warmup_steps: int | None = None  # steps the warm-up took, once planned
         self.censored = 0  # samples still running when the deadline made the plan
         self._plan: Plan | None = None
@@ -631,18 +632,27 @@ class BlendPolicy:
         r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity,
                                               cautious=False)
         compute_leads = self.compute_leads(r_comp, r_mem, steps)
+        if compute_leads and not self.compute_leads(r_comp, r_mem,
+                                                    max(steps, self._longest_running(CRIT))):
+            # The estimates disagree (the longest running decode at its estimate leaves compute
+            # ahead, at its overrun allowance memory): lean as the steps paced so far were bound.
+            compute_leads = self._paced[0] >= self._paced[1]
         # Not the critical-path pace: the lengths behind it are estimates, and guessing the
         # path short spends the compute early and leaves the longest decodes alone in
         # weight-bound steps at the end, while guessing it long costs only a compute-bound tail.
         want = self._prefill_tokens(decoding, compute_leads)
+        self._paced[1] += self._read * self._skv + self._weights
         if budget.waiting_prefill_tokens <= 0:
             self._credit = 0.0
+            self._paced[0] += decoding * self._spt
             return int(want)
         self._credit = min(self._credit + want, want + 2 * multiple)
         total = decoding + self._credit
         grain = multiple if total >= ROUND_ABOVE_MULTIPLES * multiple else 1
         prefill = max(int(total // grain) * grain - decoding, 0)
         self._credit -= prefill
+        self._paced[0] += (decoding * self._spt + min(prefill, budget.waiting_prefill_tokens)
+                           * self._prefill_token_s())
         return prefill
 
     def _warmup_prefill(self) -> int | None:

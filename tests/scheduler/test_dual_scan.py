@@ -9,6 +9,7 @@ from scheduler.dual_scan import (
     split_memory,
     steady_prefill,
 )
+from scheduler.dual_scan.policy import CRIT
 from scheduler.prefix_tree import PrefixTree
 from scheduler.split import DEFAULT_KEEP_SHARING
 from scheduler.types import PlanRequest
@@ -432,6 +433,30 @@ def test_prefill_budget_does_not_chase_an_estimated_critical_path():
     assert comp / steps > 10 * memory  # the critical-path pace would fill whole steps
     assert budget is not None
     assert budget <= _memory_fill(pol, cost, running, 1 + PACE_LEAN_PAST) + 128
+
+
+def test_where_the_estimates_disagree_the_lean_follows_the_steps_paced_so_far(monkeypatch):
+    # Compute leads with the longest decode at its estimate; at its overrun allowance (a
+    # million steps here, each reading the weights) memory does: the steps paced so far decide.
+    _, pol, _, admitted = _beside_prompts(4, 200, 400)
+    for r in admitted:
+        pol.on_progress(r.id, 1)
+    leans: list[bool] = []
+    monkeypatch.setattr(pol, "_prefill_tokens",
+                        lambda decoding, leads, *_: leans.append(leads) or 0.0)
+    budget = make_budget(800_000, running=len(admitted), waiting=100_000)
+    pol.prefill_budget(budget)
+    assert leans == [True]  # the estimates agree
+    memory, compute = pol._paced[1], pol._paced[0]
+    assert memory > 0 and compute > 0  # the step is counted: its reads and its decodes
+    longest = pol._longest_running
+    monkeypatch.setattr(pol, "_longest_running",
+                        lambda col=CRIT: 1e6 if col == CRIT else longest(col))
+    pol._paced = [1.0, 2.0]  # memory-bound so far
+    pol.prefill_budget(budget)
+    pol._paced = [2.0, 1.0]  # compute-bound so far
+    pol.prefill_budget(budget)
+    assert leans[1:] == [False, True]
 
 
 def test_a_plan_with_known_lengths_needs_no_warm_up():
