@@ -447,8 +447,7 @@ def test_where_the_estimates_disagree_the_lean_follows_the_steps_paced_so_far(mo
     budget = make_budget(800_000, running=len(admitted), waiting=100_000)
     pol.prefill_budget(budget)
     assert leans == [True]  # the estimates agree
-    memory, compute = pol._paced[1], pol._paced[0]
-    assert memory > 0 and compute > 0  # the step is counted: its reads and its decodes
+    assert pol._paced[0] > 0 and pol._paced[1] > 0  # the step counted: its decodes, its reads
     longest = pol._longest_running
     monkeypatch.setattr(pol, "_longest_running",
                         lambda col=CRIT: 1e6 if col == CRIT else longest(col))
