@@ -26,19 +26,15 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import make_traces
-from bench.scheduler_report import GOAL_FRACTION, ensure_trace
-from scheduler.simulate.__main__ import cost_model
-from scheduler.simulate.run import RunConfig, run_trace
-from scheduler.simulate.trace import read_trace
+from bench.scheduler_report import GOAL_FRACTION, ensure_trace, simulate
+from scheduler.simulate.executor import DEFAULT_MAX_STEP_TOKENS
 
 FAR_BELOW = 0.80  # a run this far from the bound is a failure of the plan, not noise
 
 
 def _run(job: tuple[str, int]) -> dict[str, Any]:
     path, seed = job
-    cost = cost_model("h200")
-    fields, _ = run_trace(read_trace(Path(path)), cost,
-                          RunConfig("blend", cost.kv_capacity_tokens, seed=seed))
+    fields = simulate(path, "blend", DEFAULT_MAX_STEP_TOKENS, {}, seed)
     return {"trace": path, "mix": Path(path).stem, "seed": seed,
             "makespan_s": fields["makespan_s"], "of_bound": fields["fraction_of_optimal"]}
 

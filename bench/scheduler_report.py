@@ -44,12 +44,18 @@ def ensure_trace(path: Path, name: str, n: int, seed: int) -> None:
         make_traces.write_trace(path, make_traces.generate_mix(name, n, seed)[0])
 
 
-def _run(job: tuple[str, str, int, dict[str, Any]]) -> tuple[str, str, int, dict[str, Any]]:
-    path, policy, cap, device = job
+def simulate(path: str, policy: str, cap: int, device: dict[str, Any],
+             seed: int = 0) -> dict[str, Any]:
+    """One policy on one trace, H200 + Llama-3-8B (`device`: idealisations); `seed`: the
+    warm-up sample's draw."""
     cost = cost_model("h200", None, **device)
-    fields, _ = run_trace(read_trace(Path(path)), cost,
-                          RunConfig(policy, cost.kv_capacity_tokens, max_step_tokens=cap))
-    return path, policy, cap, fields
+    fields, _ = run_trace(read_trace(Path(path)), cost, RunConfig(
+        policy, cost.kv_capacity_tokens, seed=seed, max_step_tokens=cap))
+    return fields
+
+
+def _run(job: tuple[str, str, int, dict[str, Any]]) -> tuple[str, str, int, dict[str, Any]]:
+    return (*job[:3], simulate(*job))
 
 
 def run_grid(trace_dir: Path, n: int, seed: int, caps: list[int], device: dict[str, Any],
