@@ -108,7 +108,8 @@ def default_step_tokens(device: str) -> int:
     (`cuda`, `cuda:N`).
     On a CPU compute and memory do not overlap and every step pays a fixed cost (weights read,
     launch and Python work) on top of its tokens, so fewer, fuller prefill steps finish sooner:
-    fcfs and dfs ran faster at 8,192 than at 2,048 on every CPU workload we benchmarked. A GPU
+    fcfs and dfs ran faster at 8,192 than at 2,048 on every CPU workload we benchmarked, and
+    bench/step_caps.py times the same prefill fastest at 8,192 on a 2-core bf16 host. A GPU
     step overlaps its compute with its KV reads and wants steps sized to hide one under the
     other (the dual scan paces them), at the 2,048 tokens NanoFlow uses."""
     return CPU_STEP_TOKENS if device == "cpu" else GPU_STEP_TOKENS

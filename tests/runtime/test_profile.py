@@ -171,3 +171,29 @@ def test_a_small_engines_cached_profile_does_not_stand_in_for_a_full_one(tmp_pat
     assert fresh2 and path2 == path and second["fit"]["shapes"] > first["fit"]["shapes"]
     again, _, fresh3 = load_or_measure(small, tmp_path)
     assert not fresh3 and again == second
+
+
+def test_every_step_cap_prefills_the_same_tokens_in_steps_within_the_cap() -> None:
+    from bench.step_caps import prefill_steps
+
+    for cap, prompt in ((512, 128), (512, 200), (2048, 512), (512, 2048), (300, 1000)):
+        steps = prefill_steps(4000, cap, prompt)
+        assert sum(sum(q) for q, _ in steps) == 4000
+        assert all(sum(q) <= cap for q, _ in steps)
+        if prompt <= cap:  # whole prompts, as many as the cap holds
+            assert all(q == kv for q, kv in steps) and len(steps[0][0]) == cap // prompt
+        else:  # a long prompt in chunks, each attending to the ones before it
+            assert steps[0] == ([cap], [cap]) and steps[1] == ([cap], [2 * cap])
+            assert max(kv[0] for _, kv in steps) == prompt
+    with pytest.raises(ValueError):
+        prefill_steps(4000, 0, 512)
+
+
+def test_the_step_cap_bench_times_every_cap_once_per_round() -> None:
+    from bench.step_caps import time_caps
+
+    engine = make_engine(pages=1024, max_batch_tokens=256)
+    seconds = time_caps(engine, [64, 256], 256, 32, rounds=2)
+    assert sorted(seconds) == [64, 256]
+    assert all(len(s) == 2 and min(s) > 0 for s in seconds.values())
+    assert engine.pool.num_free == engine.pool.num_pages  # the borrowed pages came back
