@@ -111,9 +111,9 @@ def default_step_tokens(device: str) -> int:
     the step model. Measured on a 2-core bf16 host, no smaller cap is faster beyond the noise:
     bench/step_caps.py times the same prefill at 512 to 4,096-token steps at -5%..+23% of
     8,192's time over two runs, and fcfs/dfs at 2,048 and 8,192 trade places from run to run
-    in bench/cpu_policies.py. A GPU
-    step overlaps its compute with its KV reads and wants steps sized to hide one under the
-    other (the dual scan paces them), at the 2,048 tokens NanoFlow uses."""
+    in bench/cpu_policies.py. A GPU step overlaps its compute with its KV reads and wants
+    steps sized to hide one under the other (the dual scan paces them), at the 2,048 tokens
+    NanoFlow uses."""
     return CPU_STEP_TOKENS if device == "cpu" else GPU_STEP_TOKENS
 
 
