@@ -24,10 +24,12 @@ depend on the device's overlap (CostModel.overlap):
   compute up to that memory time (leaning 10% past it while compute is the larger remainder, 5%
   short of it while memory is; where the longest running decode at its estimate and at its
   overrun allowance disagree on that, as the steps paced so far were bound; prompt attention
-  counted). It does not chase the critical-path pace (remaining compute / steps): that rests on
-  estimated lengths, and a path guessed short spends the compute early and leaves the longest
-  decodes alone in weight-bound steps, where one guessed long costs only a compute-bound tail of
-  full steps. The prefill queue does keep up with that pace, and the
+  counted). It keeps up with the critical-path pace (remaining compute / steps) only where
+  compute leads even with every running decode at its overrun allowance and no censored sample
+  runs, at those allowances: the pace rests on estimated lengths, and a path guessed short
+  spends the compute early and leaves the longest decodes alone in weight-bound steps, where one
+  guessed long costs only a compute-bound tail (which, filled to the memory time alone, paid a
+  weights read per few hundred tokens). The prefill queue keeps up with that pace, and the
   memory side admits while its steady-state read fits max(remaining compute, remaining
   memory + W·steps) / steps, steps being the most of the decode steps the longest request may
   still need (overruns allowed for) and the steps the remaining KV reads need at full capacity;

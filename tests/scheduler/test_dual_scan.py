@@ -420,19 +420,24 @@ def test_prefill_budget_fills_compute_up_to_the_steps_memory_time():
     assert budget is not None and abs(budget - _memory_fill(pol, cost, running)) <= 128
 
 
-def test_prefill_budget_does_not_chase_an_estimated_critical_path():
-    # far more compute than the short decodes' steps could hide: the budget still fills only
-    # up to the step's memory time (leaning past it), not remaining compute / steps
+def test_prefill_budget_keeps_up_with_the_critical_path_only_once_every_sample_is_in():
+    # Far more compute than the short decodes' steps could hide, even at their overrun
+    # allowances: with every sample's length in, the budget keeps up with remaining compute /
+    # steps (whole steps, not the step's memory time); while a censored sample runs, the
+    # lengths behind that pace may be short, and it fills only to the memory time (leaning past).
     _, pol, cost, admitted = _beside_prompts(4, 200, 400)
     for r in admitted:
         pol.on_progress(r.id, 1)
     running = len(admitted)
-    comp, _, steps = pol.remaining(100_000, 800_000)
-    budget = pol.prefill_budget(make_budget(800_000, running=running, waiting=100_000))
+    comp, _, steps = pol.remaining(100_000, 800_000, cautious=True)
     memory = pol.kv_read_tokens * cost.seconds_per_kv_token + cost.weights_read_s
-    assert comp / steps > 10 * memory  # the critical-path pace would fill whole steps
-    assert budget is not None
-    assert budget <= _memory_fill(pol, cost, running, 1 + PACE_LEAN_PAST) + 128
+    assert comp / steps > 10 * memory
+    budget = make_budget(800_000, running=running, waiting=100_000)
+    pace = _memory_fill(pol, cost, running, comp / steps / memory)
+    assert pol.prefill_budget(budget) == pytest.approx(pace, abs=128)
+    pol._warm_left = {0}  # a sample cut off at the deadline still runs
+    pol._credit = 0.0
+    assert pol.prefill_budget(budget) <= _memory_fill(pol, cost, running, 1 + PACE_LEAN_PAST) + 128
 
 
 def test_where_the_estimates_disagree_the_lean_follows_the_steps_paced_so_far(monkeypatch):
