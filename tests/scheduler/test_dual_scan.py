@@ -433,7 +433,7 @@ def test_prefill_budget_keeps_up_with_the_critical_path_only_once_every_sample_i
     memory = pol.kv_read_tokens * cost.seconds_per_kv_token + cost.weights_read_s
     assert comp / steps > 10 * memory
     budget = make_budget(800_000, running=running, waiting=100_000)
-    pace = _memory_fill(pol, cost, running, comp / steps / memory)
+    pace = _memory_fill(pol, cost, running, comp / steps / memory)  # compute of comp / steps
     assert pol.prefill_budget(budget) == pytest.approx(pace, abs=128)
     pol._warm_left = {0}  # a sample cut off at the deadline still runs
     pol._credit = 0.0
