@@ -58,6 +58,8 @@ class SimResult:
     prompt_tokens: int
     output_tokens: int
     cached_prompt_tokens: int  # prompt tokens served from cache at each request's first prefill
+    request_cached_tokens: np.ndarray  # [requests] the same per request, in trace order
+    request_first_step: np.ndarray  # [requests] the step each request's first prefill began
     prefill_tokens: int  # tokens prefilled, recomputation after preemption included
     preemptions: int  # decoding requests preempted (they recompute later)
     prefill_aborts: int  # partial prefills dropped to make room for decode tokens
@@ -101,7 +103,8 @@ class _Run:
         self.epoch = [0] * self.n  # bumps on preemption: stale heap entries are skipped
         self.path: list[list[int] | None] = [None] * self.n
         self.admitted = [False] * self.n
-        self.started = [False] * self.n  # first prefill begun (hits are counted once)
+        self.first_step = [-1] * self.n  # step of the first prefill (hits are counted once)
+        self.hits = [0] * self.n  # prompt tokens found cached at the first prefill
         self.redo = [0] * self.n  # output tokens to recompute after a preemption
         self.queue: deque[int] = deque()  # admitted, waiting for / in prefill, in order
         self.running: dict[int, None] = {}  # holds KV; insertion order = start order
@@ -197,8 +200,9 @@ class _Run:
         i = self.queue[0]
         path = self.path[i] = self.cache.path(i)
         hit = self.cache.acquire(path, self.t)
-        if not self.started[i]:
-            self.started[i] = True
+        if self.first_step[i] < 0:
+            self.first_step[i] = self.t
+            self.hits[i] = hit
             self.cached_prompt += hit
         self.head_active = True
         self.head_pos = hit
@@ -413,6 +417,8 @@ class _Run:
             makespan_s=float(dt.sum()), steps=len(comp), requests=self.n,
             prompt_tokens=sum(self.p), output_tokens=sum(self.d),
             cached_prompt_tokens=self.cached_prompt, prefill_tokens=self.prefilled,
+            request_cached_tokens=np.asarray(self.hits, dtype=np.int64),
+            request_first_step=np.asarray(self.first_step, dtype=np.int64),
             preemptions=self.preemptions, prefill_aborts=self.prefill_aborts,
             peak_kv_tokens=self.peak, step_time_s=dt,
             step_compute_s=comp, step_memory_s=mem,

@@ -113,3 +113,17 @@ def test_robustness_bench_runs_blend_once_per_trace_and_draw(tmp_path: Path, cap
     table = capsys.readouterr().out
     assert f"| all | {len(runs)} |" in table
     assert all(f"| {name} | 4 |" in table for name in mt.MIXES)
+
+
+def test_sharing_loss_bench_splits_blends_missed_hits_over_sample_and_steps(tmp_path: Path) -> None:
+    from bench import sharing_loss
+
+    path = tmp_path / "trace.jsonl"
+    mt.write_trace(path, mt.generate_mix("compute_high_sharing", 2000, 0)[0])
+    out = sharing_loss.sharing_loss(path)
+    (_, dfs_cached, _), (_, blend_cached, _) = out["totals"]
+    (_, n_sample, lost_sample), (_, n_rest, lost_rest), *spans = out["rows"]
+    assert n_sample > 0 and n_sample + n_rest == 2000
+    assert lost_sample + lost_rest == dfs_cached - blend_cached  # every request counted once
+    assert len(spans) == sharing_loss.PARTS
+    assert sum(n for _, n, _ in spans) == n_rest and sum(t for *_, t in spans) == lost_rest

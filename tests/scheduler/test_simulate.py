@@ -206,11 +206,14 @@ def test_prefix_hit_is_counted_and_lru_eviction_drops_it() -> None:
              make_entry("c", x + tokens(14, 10), 1)]
     roomy = simulate(trace, OneAtATime([e.request for e in trace]), COST, SimConfig(1000))
     assert roomy.cached_prompt_tokens == 100
+    assert roomy.request_cached_tokens.tolist() == [0, 0, 100]  # c's hit, in trace order
+    first = roomy.request_first_step.tolist()
+    assert first[0] == 0 and first[0] < first[1] < first[2] < roomy.steps  # one at a time
     assert roomy.prefill_tokens == 330 - 100
     assert roomy.prefix_sharing_ratio == pytest.approx(100 / 330)
     # Room for one prompt and its decode only: b evicts a's segments, so c misses.
     tight = simulate(trace, OneAtATime([e.request for e in trace]), COST, SimConfig(150))
-    assert tight.cached_prompt_tokens == 0
+    assert tight.cached_prompt_tokens == 0 and not tight.request_cached_tokens.any()
     assert tight.peak_kv_tokens <= 150
 
 
