@@ -120,7 +120,6 @@ class _Run:
         self.report_heap: list[tuple[int, int, int]] = []
         self.t = 0
         self.finished = 0
-        self.cached_prompt = 0
         self.prefilled = 0
         self.preemptions = 0  # decoding requests evicted (recomputed later)
         self.prefill_aborts = 0  # partial prefills torn down to make room for decode
@@ -203,7 +202,6 @@ class _Run:
         if self.first_step[i] < 0:
             self.first_step[i] = self.t
             self.hits[i] = hit
-            self.cached_prompt += hit
         self.head_active = True
         self.head_pos = hit
         self.head_fill = 0
@@ -416,7 +414,7 @@ class _Run:
         return SimResult(
             makespan_s=float(dt.sum()), steps=len(comp), requests=self.n,
             prompt_tokens=sum(self.p), output_tokens=sum(self.d),
-            cached_prompt_tokens=self.cached_prompt, prefill_tokens=self.prefilled,
+            cached_prompt_tokens=sum(self.hits), prefill_tokens=self.prefilled,
             request_cached_tokens=np.asarray(self.hits, dtype=np.int64),
             request_first_step=np.asarray(self.first_step, dtype=np.int64),
             preemptions=self.preemptions, prefill_aborts=self.prefill_aborts,
