@@ -631,25 +631,24 @@ class BlendPolicy:
         capacity = float(budget.kv_capacity_tokens or self._capacity)
         r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity,
                                               cautious=False)
-        crit_steps = max(steps, self._longest_running(CRIT))
         compute_leads = self.compute_leads(r_comp, r_mem, steps)
         at_least_s = 0.0
-        if compute_leads and not self.compute_leads(r_comp, r_mem, crit_steps):
-            # The estimates disagree (the longest running decode at its estimate leaves compute
-            # ahead, at its overrun allowance memory): lean as the steps paced so far were bound.
-            compute_leads = self._paced[0] >= self._paced[1]
-        elif compute_leads and not self._warm_left:
-            # Compute leads even with every running decode at its overrun allowance, and every
-            # sample's length is in: keep up with the critical path at those allowances
-            # (remaining compute / steps). In a compute-bound tail, where a few short decodes
-            # run, that is whole steps; filled only to their memory time, ~8,000 steps each
-            # paid a weights read that hid almost nothing (compute_high: 344.4 s, was 346.6).
-            # Not at the estimates, nor while censored samples run: guessing the path short
-            # spends the compute early and leaves the longest decodes alone in weight-bound
-            # steps at the end (compute traces +0.7…+23 s at the estimates; memory traces
-            # +18…+30 s while censored samples ran), while guessing it long costs only a
-            # compute-bound tail.
-            at_least_s = r_comp / crit_steps
+        if compute_leads:
+            crit_steps = max(steps, self._longest_running(CRIT))
+            if not self.compute_leads(r_comp, r_mem, crit_steps):
+                # The estimates disagree (the longest running decode at its estimate leaves
+                # compute ahead, at its overrun allowance memory): lean as the steps paced so
+                # far were bound.
+                compute_leads = self._paced[0] >= self._paced[1]
+            elif not self._warm_left:
+                # Compute leads even at every overrun allowance and every sample's length is
+                # in: keep up with the critical path at those allowances (package docstring).
+                # A compute-bound tail of a few short decodes then runs whole steps; filled
+                # only to their memory time, ~8,000 steps each paid a weights read that hid
+                # almost nothing (compute_high: 344.4 s, was 346.6). At the estimates the
+                # compute traces took +0.7…+23 s, and while censored samples ran the memory
+                # traces +18…+30 s.
+                at_least_s = r_comp / crit_steps
         want = self._prefill_tokens(decoding, compute_leads, at_least_s)
         self._paced[1] += self._read * self._skv + self._weights
         if budget.waiting_prefill_tokens <= 0:
