@@ -172,6 +172,7 @@ class _Seq:
     node: RadixNode | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     order: int = 0  # admission order, newest is preempted first
+    waiting_tokens: int = 0  # leading tokens counted in the cache's PrefixDemand (not started)
     grammar: Any = None  # xgrammar matcher of a constrained choice (response_format), else None
 
     @property
@@ -306,6 +307,7 @@ class Engine:
         finally:  # also when the caller abandons the generator: hand every page back
             for s in running:
                 self._release(s)
+            self.cache.demand.clear()
 
     def serve(self, feed: RequestFeed, *, policy: str = "fcfs") -> Iterator[RequestOutput]:
         """Run requests that keep arriving (a worker's batches) until the feed closes and
@@ -339,6 +341,7 @@ class Engine:
                     if update.drain and not draining:
                         draining = True
                         mix.withdraw()
+                        self._drop_waiting(known, (s for s in waiting if not _has_started(s)))
                         known.clear()
                         waiting = _started(waiting)
                     if update.aborts:
@@ -356,6 +359,7 @@ class Engine:
         finally:
             for s in running:
                 self._release(s)
+            self.cache.demand.clear()
 
     def _accept(self, requests: Iterable[EngineRequest], known: dict[str, EngineRequest],
                 done: deque[RequestOutput]) -> Iterator[PlanRequest]:
@@ -367,6 +371,7 @@ class Engine:
                 done.append(RequestOutput(req.id, len(req.prompt_token_ids), 0, error=err))
                 continue
             known[req.id] = req
+            self.cache.demand.add(req.prompt_token_ids)
             yield self.plan_request(req)
 
     def _abort(self, ids: set[str], pol: MixPolicy, known: dict[str, EngineRequest],
@@ -375,12 +380,27 @@ class Engine:
         for s in [s for s in running if s.group.req.id in ids]:
             self._release(s)
             running.remove(s)
+        self._drop_waiting({rid: known[rid] for rid in ids if rid in known},
+                           [s for s in waiting if s.group.req.id in ids])
         kept = [s for s in waiting if s.group.req.id not in ids]
         waiting.clear()
         waiting.extend(kept)
         for rid in ids:
             known.pop(rid, None)
         pol.remove(ids)
+
+    def _drop_waiting(self, known: dict[str, EngineRequest], waiting: Iterable[_Seq]) -> None:
+        """Requests leaving before they start (not admitted: `known`; admitted: `waiting`) no
+        longer count as waiting prompts in the cache's PrefixDemand."""
+        for req in known.values():
+            self.cache.demand.add(req.prompt_token_ids, -1)
+        for s in waiting:
+            self._no_longer_waiting(s)
+
+    def _no_longer_waiting(self, seq: _Seq) -> None:
+        if seq.waiting_tokens:
+            self.cache.demand.add(seq.tokens[: seq.waiting_tokens], -1)
+            seq.waiting_tokens = 0
 
     def _loop(self, pol: AdmissionPolicy, known: dict[str, EngineRequest],
               done: deque[RequestOutput], waiting: deque[_Seq], running: list[_Seq],
@@ -392,6 +412,7 @@ class Engine:
                     yield done.popleft()
                 if not stopping and should_stop is not None and should_stop():
                     stopping = True
+                    self._drop_waiting(known, (s for s in waiting if not _has_started(s)))
                     waiting = _started(waiting)
                 if not stopping:
                     self._admit(pol, known, waiting, running)
@@ -414,7 +435,9 @@ class Engine:
             if req is None:  # failed check(): its error output is already queued
                 continue
             group = _Group(req, choices=[None] * req.params.n)
-            waiting.append(self._new_seq(group, 0, forks=req.params.n - 1))
+            seq = self._new_seq(group, 0, forks=req.params.n - 1)
+            seq.waiting_tokens = len(seq.tokens)  # counted in the cache's demand by _accept
+            waiting.append(seq)
 
     def _budget(self, waiting: deque[_Seq], running: list[_Seq]) -> StepBudget:
         free = (self.pool.num_free + self.cache.evictable_pages) * self.pool.page_size
@@ -546,6 +569,7 @@ class Engine:
         whole pages, at least one token left to run)."""
         ps = self.pool.page_size
         self.cache.lock(node)
+        self._no_longer_waiting(seq)
         seq.pages, seq.tree_pages, seq.node, seq.computed = pages, len(pages), node, len(pages) * ps
         if seq.group.cached_tokens < 0:
             seq.group.cached_tokens = seq.computed
@@ -556,6 +580,8 @@ class Engine:
         self._release(seq)
         running.remove(seq)
         waiting.appendleft(seq)
+        self.cache.demand.add(seq.tokens)  # its recompute wants what it had cached back
+        seq.waiting_tokens = len(seq.tokens)
         self._count(preemptions=1)
 
     def _release(self, seq: _Seq) -> None:
@@ -714,10 +740,14 @@ def _host_sampling(st: SamplingState) -> bool:
     return st.generator is not None or bool(p.logprobs or p.presence_penalty or p.frequency_penalty)
 
 
+def _has_started(seq: _Seq) -> bool:
+    """Generated, or a fork of a started request: a stopping run still finishes it."""
+    return seq.generated > 0 or seq.index > 0
+
+
 def _started(waiting: deque[_Seq]) -> deque[_Seq]:
-    """The waiting sequences that have started (generated, or a fork of a started request):
-    what a stopping run still finishes."""
-    return deque(s for s in waiting if s.generated > 0 or s.index > 0)
+    """The waiting sequences a stopping run still finishes."""
+    return deque(s for s in waiting if _has_started(s))
 
 
 def _by_level(arrivals: list[tuple[EngineRequest, int]]) -> dict[int, list[EngineRequest]]:

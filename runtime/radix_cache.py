@@ -2,14 +2,18 @@
 
 Keys are whole pages: a node's key is a run of tokens whose length is a multiple of page_size
 and its `pages` hold their K/V. Requests lock the path they use (ref counts up to the root);
-unlocked leaves are evicted least-recently-used first when the pool runs out of pages.
+unlocked leaves are evicted least-recently-used first when the pool runs out of pages, those
+no waiting prompt begins with (`PrefixDemand`) before those some waiting prompt still needs:
+an offline batch knows every prompt it will run, and a warm-up sample's prefixes would
+otherwise be the oldest leaves when their subtrees' turn comes.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 
@@ -21,6 +25,41 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # by first page
     ref: int = 0  # requests currently using this node (or a descendant)
     last_access: int = 0
+    end_hash: int | None = None  # page_hashes of the path through this node's last page
+
+
+def page_hashes(tokens: Sequence[int], page_size: int, start: int = 0) -> Iterator[int]:
+    """A running hash per whole page of `tokens`: the k-th names the first k + 1 pages (after
+    the path `start` names). Equal prefixes hash equal; a collision only misorders eviction."""
+    h = start
+    for a in range(0, len(tokens) - page_size + 1, page_size):
+        h = hash((h, tuple(tokens[a : a + page_size])))
+        yield h
+
+
+class PrefixDemand:
+    """Prompts still waiting to start, counted per page-aligned prefix."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._count: Counter[int] = Counter()
+
+    def add(self, tokens: Sequence[int], sign: int = 1) -> None:
+        """Count a waiting prompt (`sign` −1: it started or left)."""
+        for h in page_hashes(tokens, self.page_size):
+            self._count[h] += sign
+            if self._count[h] <= 0:
+                del self._count[h]
+
+    def __len__(self) -> int:
+        """Page prefixes some waiting prompt begins with."""
+        return len(self._count)
+
+    def wants(self, prefix_hash: int) -> bool:
+        return prefix_hash in self._count
+
+    def clear(self) -> None:
+        self._count.clear()
 
 
 class RadixCache:
@@ -29,6 +68,7 @@ class RadixCache:
     def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
         self.page_size = page_size
         self._free_pages = free_pages
+        self.demand = PrefixDemand(page_size)  # the engine counts waiting prompts in it
         self._clock = itertools.count(1)
         self.root = RadixNode(key=[], pages=[], parent=None, ref=1)
         self.evictable_pages = 0  # pages in nodes with ref == 0
@@ -70,7 +110,7 @@ class RadixCache:
         parent = node.parent
         assert parent is not None and 0 < n < len(node.pages)
         upper = RadixNode(node.key[: n * ps], node.pages[:n], parent, ref=node.ref,
-                          last_access=node.last_access)
+                          last_access=node.last_access)  # its end_hash: computed when asked
         parent.children[tuple(upper.key[:ps])] = upper
         node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], upper
         upper.children[tuple(node.key[:ps])] = node
@@ -132,12 +172,13 @@ class RadixCache:
 
     # ---- eviction -------------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` pages from unlocked leaves, oldest first; returns pages freed."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.ref == 0]
+        """Free at least `num_pages` pages from unlocked leaves, those no waiting prompt needs
+        first, each kind oldest first; returns pages freed."""
+        heap = [(self._wanted(n), n.last_access, id(n), n) for n in self._leaves() if n.ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
+            *_, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
             del parent.children[tuple(node.key[: self.page_size])]
@@ -146,8 +187,28 @@ class RadixCache:
             self.evictable_pages -= len(node.pages)
             self.total_pages -= len(node.pages)
             if parent is not self.root and not parent.children and parent.ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                heapq.heappush(heap, (self._wanted(parent), parent.last_access, id(parent), parent))
         return freed
+
+    def _wanted(self, node: RadixNode) -> bool:
+        """Whether a waiting prompt begins with the node's path through its first page."""
+        parent = node.parent
+        assert parent is not None
+        first = next(page_hashes(node.key[: self.page_size], self.page_size,
+                                 self._end_hash(parent)))
+        return self.demand.wants(first)
+
+    def _end_hash(self, node: RadixNode) -> int:
+        """page_hashes of the path from the root through `node`'s last page (memoised)."""
+        todo = []
+        while node is not self.root and node.end_hash is None:
+            todo.append(node)
+            node = node.parent  # type: ignore[assignment]
+        h = 0 if node is self.root else node.end_hash
+        for n in reversed(todo):
+            *_, h = page_hashes(n.key, self.page_size, h)
+            n.end_hash = h
+        return h  # type: ignore[return-value]
 
     def _leaves(self) -> list[RadixNode]:
         out, stack = [], [self.root]

@@ -161,7 +161,7 @@ class _Run:
         self.preemptions += 1
         path = self.path[i]
         assert path is not None
-        self.cache.release(path, self.t)
+        self.cache.release(path, self.t, again=True)
         if self.queue and self.queue[0] == i and self.head_active:
             self.prefill_aborts += 1
             self.preemptions -= 1

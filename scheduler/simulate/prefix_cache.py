@@ -1,10 +1,11 @@
-"""The simulator's prefix cache: which prompt segments hold KV now, with LRU eviction.
+"""The simulator's prefix cache: which prompt segments hold KV now, with the engine's eviction.
 
 The trace's radix tree (scheduler.prefix_tree) already splits prompts at every point where two of
 them diverge, so a cached prefix is always a set of whole tree nodes closed under "parent of".
 Caching at node granularity is therefore exact: a request's hit is the depth of the deepest cached
 node on its path. Nodes on a running request's path are pinned (reference-counted); unpinned
-nodes with no cached child are evictable, least recently used first, like a radix cache's leaves.
+nodes with no cached child are evictable like the engine radix cache's leaves: those on no
+waiting request's path first, each kind least recently used first (runtime/radix_cache.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class PrefixCache:
         self._ref = [0] * n
         self._last = [0] * n  # step of the last pin or unpin (LRU clock)
         self._cached_children = [0] * n
-        self._heap: list[tuple[int, int]] = []  # (last use, node) candidates for eviction
+        # requests still to start (the whole batch waits at first) whose path holds a node
+        self._waiting: list[int] = (tree.leaf_hi - tree.leaf_lo).tolist()
+        self._heap: list[tuple[bool, int, int]] = []  # (wanted, last use, node) eviction candidates
         self.cached_tokens = 0  # Σ edge over cached nodes
         self.pinned_tokens = 0  # Σ edge over cached nodes some running request pins
 
@@ -43,7 +46,8 @@ class PrefixCache:
         return out
 
     def acquire(self, path: list[int], now: int) -> int:
-        """Pin a path; returns how many of its leading prompt tokens are cached (the hit)."""
+        """Pin a path (its request starts); returns how many of its leading prompt tokens are
+        cached (the hit)."""
         hit = 0
         prefix = True
         for node in path:
@@ -55,6 +59,7 @@ class PrefixCache:
             else:
                 prefix = False
             self._ref[node] += 1
+            self._waiting[node] -= 1
             self._last[node] = now
         return hit
 
@@ -81,27 +86,33 @@ class PrefixCache:
     def is_cached(self, node: int) -> bool:
         return self._cached[node]
 
-    def release(self, path: list[int], now: int) -> None:
-        """Unpin a path (request finished or preempted); its cached nodes become evictable."""
+    def release(self, path: list[int], now: int, *, again: bool = False) -> None:
+        """Unpin a path (request finished, or preempted: it starts `again`); its cached nodes
+        become evictable."""
         for node in path:
             self._ref[node] -= 1
+            self._waiting[node] += again
             self._last[node] = now
             if self._ref[node] == 0 and self._cached[node]:
                 self.pinned_tokens -= self._edge[node]
                 if self._cached_children[node] == 0:
-                    heapq.heappush(self._heap, (now, node))
+                    heapq.heappush(self._heap, (self._wanted(node), now, node))
+
+    def _wanted(self, node: int) -> bool:
+        return self._waiting[node] > 0
 
     def evictable_tokens(self) -> int:
         return self.cached_tokens - self.pinned_tokens
 
     def evict(self, tokens: int) -> int:
-        """Drop least recently used unpinned leaves until `tokens` are freed; returns tokens freed."""
+        """Drop unpinned leaves, those no waiting request needs first, each kind least recently
+        used first, until `tokens` are freed; returns tokens freed."""
         freed = 0
         heap = self._heap
         while freed < tokens and heap:
-            last, node = heapq.heappop(heap)
+            wanted, last, node = heapq.heappop(heap)
             if (not self._cached[node] or self._ref[node] or self._cached_children[node]
-                    or last != self._last[node]):
+                    or last != self._last[node] or wanted != self._wanted(node)):
                 continue  # stale entry
             self._cached[node] = False
             self.cached_tokens -= self._edge[node]
@@ -109,5 +120,5 @@ class PrefixCache:
             parent = self._parent[node]
             self._cached_children[parent] -= 1
             if parent > 0 and self._ref[parent] == 0 and self._cached_children[parent] == 0:
-                heapq.heappush(heap, (self._last[parent], parent))
+                heapq.heappush(heap, (self._wanted(parent), self._last[parent], parent))
         return freed

@@ -323,3 +323,26 @@ def test_a_cpu_engine_reuses_a_steps_freed_memory_instead_of_faulting_it_in_agai
     before, after = (int(x) for x in out.split())
     assert before > 10_000  # 100 MB in 4 KiB pages: 25,600, at every step
     assert after < 1_000  # once the heap holds the block
+
+
+class OneAtATime(AdmitAll):
+    """Admits the next request only once nothing runs: the requests run one after another."""
+
+    def admit(self, budget: StepBudget) -> list[PlanRequest]:
+        if budget.running or not self.pending:
+            return []
+        return [self.pending.pop(0)]
+
+
+def test_a_prefix_a_waiting_request_needs_outlives_newer_unneeded_leaves() -> None:
+    # r0 caches prefix P; r1 and r2 cache leaves nobody waits for; r3 needs room. Least recently
+    # used alone would evict P (the oldest); r4 still waits for P, so the newer leaf goes.
+    engine = make_engine(pages=36, max_batch_tokens=128)
+    shared = prompts(2, prefix=40, lo=4, hi=5, seed=3)
+    other = prompts(3, lo=40, hi=41, seed=4)
+    reqs = greedy([shared[0], *other, shared[1]], max_tokens=4)
+    out = run(engine, reqs, policy=OneAtATime(
+        PlanRequest(r.id, r.prompt_token_ids, r.params.max_tokens) for r in reqs))
+    assert engine.stats.preemptions == 0
+    assert out["r4"].cached_tokens == 40
+    assert_no_leaks(engine)

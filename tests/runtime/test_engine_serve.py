@@ -73,7 +73,10 @@ def test_aborted_requests_leave_at_once_and_free_their_pages() -> None:
     keep = greedy(prompts(2, seed=7), max_tokens=6)
     keep = [EngineRequest(f"k{i}", r.prompt_token_ids, r.params) for i, r in enumerate(keep)]
 
+    waiting_prefixes: list[int] = []
+
     def script(poll: int, outs: dict[str, RequestOutput]) -> FeedUpdate:
+        waiting_prefixes.append(len(engine.cache.demand))
         if poll == 1:
             return FeedUpdate([(r, 0) for r in reqs + keep])
         if poll == 3:  # some running, some still waiting for KV: all of them go
@@ -84,6 +87,7 @@ def test_aborted_requests_leave_at_once_and_free_their_pages() -> None:
     feed = ScriptedFeed(script)
     outs = feed.run(engine)
     assert set(outs) == {"k0", "k1"} and feed.polls < 20  # nobody ran 100 tokens
+    assert waiting_prefixes[2] > 0 and waiting_prefixes[-1] == 0  # the aborted stopped waiting
     assert_no_leaks(engine)
 
 

@@ -1,8 +1,9 @@
-"""Radix cache over token ids: page-granular matching, splitting, ref counts, LRU eviction."""
+"""Radix cache over token ids: page-granular matching, splitting, ref counts, eviction (LRU,
+what waiting prompts need last)."""
 
 from __future__ import annotations
 
-from runtime.radix_cache import RadixCache
+from runtime.radix_cache import PrefixDemand, RadixCache, page_hashes
 
 PS = 2
 
@@ -79,3 +80,47 @@ def test_split_keeps_lock_counts_consistent() -> None:
     assert upper.ref == 1 and cache.evictable_pages == 0
     cache.unlock(node)
     assert cache.evictable_pages == 2
+
+
+def test_leaves_a_waiting_prompt_begins_with_are_evicted_after_the_others() -> None:
+    cache, freed = make_cache()
+    cache.insert([1, 1, 2, 2], [10, 11])  # oldest: a waiting prompt continues it
+    cache.insert([3, 3], [30])
+    cache.insert([4, 4], [40])
+    cache.demand.add([1, 1, 2, 2, 5])
+    assert cache.evict(1) == 1 and freed == [30]  # the oldest unwanted leaf, not the oldest
+    assert cache.evict(1) == 1 and freed == [30, 40]
+    assert cache.evict(1) == 2 and freed == [30, 40, 10, 11]  # then the wanted ones, LRU
+
+
+def test_a_prompt_that_shares_only_a_nodes_first_page_still_wants_it() -> None:
+    cache, freed = make_cache()
+    cache.insert([1, 1, 2, 2], [10, 11])
+    cache.insert([3, 3], [30])
+    cache.demand.add([1, 1, 9, 9])  # would split the node: its first page is worth keeping
+    assert cache.evict(1) == 1 and freed == [30]
+    cache.demand.add([1, 1, 9, 9], -1)  # it started (or left): plain LRU again
+    cache.insert([4, 4], [40])
+    assert cache.evict(1) == 2 and freed == [30, 10, 11]
+
+
+def test_a_split_node_keeps_its_path_hash() -> None:
+    cache, freed = make_cache()
+    cache.insert([1, 1, 2, 2, 3, 3], [10, 11, 12])
+    cache.insert([5, 5], [50])
+    cache.demand.add([1, 1, 2, 2, 3, 3, 7])
+    assert cache.evict(1) == 1 and freed == [50]  # hashes the path before the split below
+    cache.match_prefix([1, 1, 8, 8])  # splits [1 1 | 2 2 3 3]
+    cache.insert([6, 6], [60])
+    assert cache.evict(1) == 1 and freed == [50, 60]  # the lower part is still wanted
+
+
+def test_demand_counts_each_waiting_prompt() -> None:
+    demand = PrefixDemand(PS)
+    demand.add([1, 1, 2])
+    demand.add([1, 1, 3, 3])
+    first, second = page_hashes([1, 1, 3, 3], PS)
+    demand.add([1, 1, 2], -1)
+    assert demand.wants(first) and demand.wants(second)  # the other prompt still waits
+    demand.add([1, 1, 3, 3], -1)
+    assert not demand.wants(first) and not demand.wants(second)

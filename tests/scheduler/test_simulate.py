@@ -217,6 +217,18 @@ def test_prefix_hit_is_counted_and_lru_eviction_drops_it() -> None:
     assert tight.peak_kv_tokens <= 150
 
 
+def test_a_prefix_a_waiting_request_needs_outlives_newer_unneeded_leaves() -> None:
+    # The engine's eviction (runtime/radix_cache.py): a and d share x; b and b2 cache leaves no
+    # waiting request needs; c needs room. LRU alone would drop x (the oldest); d waits for it.
+    x = tokens(10, 100)
+    trace = [make_entry("a", x + tokens(12, 10), 1), make_entry("b", tokens(11, 110), 1),
+             make_entry("b2", tokens(13, 110), 1), make_entry("c", tokens(14, 110), 1),
+             make_entry("d", x + tokens(15, 10), 1)]
+    result = simulate(trace, OneAtATime([e.request for e in trace]), COST, SimConfig(400))
+    assert result.request_cached_tokens.tolist() == [0, 0, 0, 0, 100]
+    assert result.peak_kv_tokens <= 400
+
+
 def test_dfs_with_a_large_cache_reaches_the_trees_max_sharing() -> None:
     trace = random_trace(200)
     tree = PrefixTree.build([e.request.prompt_token_ids for e in trace])
