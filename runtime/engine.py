@@ -341,7 +341,7 @@ class Engine:
                     if update.drain and not draining:
                         draining = True
                         mix.withdraw()
-                        self._drop_waiting(known, (s for s in waiting if not _has_started(s)))
+                        self._drop_waiting(known.values(), (s for s in waiting if not _has_started(s)))
                         known.clear()
                         waiting = _started(waiting)
                     if update.aborts:
@@ -380,19 +380,17 @@ class Engine:
         for s in [s for s in running if s.group.req.id in ids]:
             self._release(s)
             running.remove(s)
-        self._drop_waiting({rid: known[rid] for rid in ids if rid in known},
+        self._drop_waiting([known.pop(rid) for rid in ids if rid in known],
                            [s for s in waiting if s.group.req.id in ids])
         kept = [s for s in waiting if s.group.req.id not in ids]
         waiting.clear()
         waiting.extend(kept)
-        for rid in ids:
-            known.pop(rid, None)
         pol.remove(ids)
 
-    def _drop_waiting(self, known: dict[str, EngineRequest], waiting: Iterable[_Seq]) -> None:
-        """Requests leaving before they start (not admitted: `known`; admitted: `waiting`) no
-        longer count as waiting prompts in the cache's PrefixDemand."""
-        for req in known.values():
+    def _drop_waiting(self, requests: Iterable[EngineRequest], waiting: Iterable[_Seq]) -> None:
+        """Requests leaving before they start (not admitted: `requests`; admitted: `waiting`)
+        no longer count as waiting prompts in the cache's PrefixDemand."""
+        for req in requests:
             self.cache.demand.add(req.prompt_token_ids, -1)
         for s in waiting:
             self._no_longer_waiting(s)
@@ -412,7 +410,7 @@ class Engine:
                     yield done.popleft()
                 if not stopping and should_stop is not None and should_stop():
                     stopping = True
-                    self._drop_waiting(known, (s for s in waiting if not _has_started(s)))
+                    self._drop_waiting(known.values(), (s for s in waiting if not _has_started(s)))
                     waiting = _started(waiting)
                 if not stopping:
                     self._admit(pol, known, waiting, running)

@@ -70,7 +70,7 @@ class RadixCache:
         self._free_pages = free_pages
         self.demand = PrefixDemand(page_size)  # the engine counts waiting prompts in it
         self._clock = itertools.count(1)
-        self.root = RadixNode(key=[], pages=[], parent=None, ref=1)
+        self.root = RadixNode(key=[], pages=[], parent=None, ref=1, end_hash=0)
         self.evictable_pages = 0  # pages in nodes with ref == 0
         self.total_pages = 0
 
@@ -200,15 +200,16 @@ class RadixCache:
 
     def _end_hash(self, node: RadixNode) -> int:
         """page_hashes of the path from the root through `node`'s last page (memoised)."""
-        todo = []
-        while node is not self.root and node.end_hash is None:
+        todo: list[RadixNode] = []
+        h = node.end_hash
+        while h is None:  # the root's is 0
             todo.append(node)
             node = node.parent  # type: ignore[assignment]
-        h = 0 if node is self.root else node.end_hash
+            h = node.end_hash
         for n in reversed(todo):
             *_, h = page_hashes(n.key, self.page_size, h)
             n.end_hash = h
-        return h  # type: ignore[return-value]
+        return h
 
     def _leaves(self) -> list[RadixNode]:
         out, stack = [], [self.root]

@@ -91,7 +91,7 @@ class PrefixCache:
         become evictable."""
         for node in path:
             self._ref[node] -= 1
-            self._waiting[node] += again
+            self._waiting[node] += int(again)
             self._last[node] = now
             if self._ref[node] == 0 and self._cached[node]:
                 self.pinned_tokens -= self._edge[node]
