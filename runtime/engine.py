@@ -74,8 +74,10 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | torch.dtype | None = None  # None = bfloat16 on CPUs with AVX512-BF16/AMX, else fp32
     attention_backend: str = "auto"  # auto = flashinfer on CUDA when installed, else torch
-    # CUDA + flashinfer: each step as two nano-batches on two streams (runtime/overlap.py)
-    overlap: bool = True
+    # CUDA + flashinfer: each step as two nano-batches on two streams (runtime/overlap.py). Off:
+    # on an H200 (2026-12-04, bench/gpu_bench.py's mixed trace, Llama-3-8B shape) dfs ran the
+    # same 903 steps in 35.2 s with it and 25.9 s without.
+    overlap: bool = False
     seed: int = 0  # seeds unseeded sampling and dummy weights
 
     def __post_init__(self) -> None:

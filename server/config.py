@@ -80,7 +80,9 @@ class Settings(BaseSettings):
     kv_memory_bytes: int | None = Field(default=None, ge=1)  # None = the runtime's default budget
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto (flashinfer on CUDA if installed) | torch | flashinfer
-    overlap: bool = True  # CUDA + flashinfer: two nano-batches per step on two streams
+    # CUDA + flashinfer: two nano-batches per step on two streams; off by default, slower than
+    # one stream where it was measured (runtime.engine.EngineConfig.overlap)
+    overlap: bool = False
     # Device profile for the planner: auto = cached under DATA_DIR/profiles or measured on first
     # use; a path = that file (`blendserve profile --out`); none = do not measure
     profile: str = "auto"
