@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,17 @@ DEFAULT_SHAPE = "llama-3-8b"
 
 
 def cost_model(hardware: str, shape: str | None = None, *, free_weights: bool = False,
-               overlap: float | None = None) -> CostModel:
+               overlap: float | None = None, step_overhead_s: float | None = None) -> CostModel:
     """A named datasheet profile, or the path of a profile JSON (`blendserve profile`'s, whose
-    model shape is the profiled model's unless `shape` names another); idealisations opt-in."""
+    model shape is the profiled model's unless `shape` names another); idealisations opt-in;
+    `step_overhead_s`: launch and host time per step (an engine's, measured), instead of the
+    profile's."""
     hw = HardwareProfile.named(hardware) if hardware in _PROFILES else HardwareProfile.from_json(hardware)
+    if step_overhead_s is not None:
+        if step_overhead_s < 0 or hw.measured is not None:
+            raise SchedulerError("a step overhead is at least 0 seconds, and for a datasheet "
+                                 "profile (a measured one's fixed cost already holds it)")
+        hw = replace(hw, step_overhead_s=step_overhead_s)
     if shape is None and hw.model_config is not None:
         model = ModelShape.from_hf_config(hw.model_config, name=hw.name.split(":")[-1])
     else:
@@ -75,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="share of the smaller of compute and memory hidden, in [0, 1]")
     ap.add_argument("--free-weights", action="store_true",
                     help="idealisation: steps cost no fixed time (weight reads, launches)")
+    ap.add_argument("--step-overhead-s", type=float, default=None,
+                    help="launch and host seconds every step pays on top of its weights read "
+                         "(an engine's, measured; the datasheet GPUs have 0)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel shards, one device each")
     ap.add_argument("--dp-cut", choices=("stratified", "sampled"), default="stratified",
                     help="shard by prefix-tree branches, or by a plan from a warm-up sample")
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SchedulerError("--max-step-tokens must be at least 1")
         overlap = 0.0 if args.no_overlap else 1.0 if args.perfect_overlap else args.overlap
         cost = cost_model(args.hardware, args.model_shape, free_weights=args.free_weights,
-                          overlap=overlap)
+                          overlap=overlap, step_overhead_s=args.step_overhead_s)
         step_tokens = (args.max_step_tokens or cost.hardware.default_step_tokens
                        or DEFAULT_MAX_STEP_TOKENS)
         kv_tokens = args.kv_tokens or cost.kv_capacity_tokens

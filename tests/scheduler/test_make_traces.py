@@ -127,3 +127,13 @@ def test_sharing_loss_bench_splits_blends_missed_hits_over_sample_and_steps(tmp_
     assert lost_sample + lost_rest == dfs_cached - blend_cached  # every request counted once
     assert len(spans) == sharing_loss.PARTS
     assert sum(n for _, n, _ in spans) == n_rest and sum(t for *_, t in spans) == lost_rest
+
+
+def test_scheduler_report_names_the_device_its_goals_were_judged_on() -> None:
+    from bench.scheduler_report import device_label
+
+    assert device_label({"overlap": None, "free_weights": False,
+                         "step_overhead_s": None}) == "realistic defaults"
+    # overlap 0 is a change (0.0 == False must not hide it)
+    assert device_label({"overlap": 0.0, "free_weights": False, "step_overhead_s": 0.011}) == \
+        "defaults changed: overlap 0.0, step overhead s 0.011"

@@ -372,6 +372,29 @@ def test_the_step_cap_is_the_profiles_device_default_unless_given(tmp_path: Path
     assert json.loads(capsys.readouterr().out)["max_step_tokens"] == 2048  # the GPU profiles'
 
 
+def test_a_step_overhead_costs_every_step_once_and_a_measured_profile_refuses_it(
+        tmp_path: Path, capsys) -> None:
+    write_trace(tmp_path / "t.jsonl", random_trace(60))
+    runs = []
+    for flags in ([], ["--step-overhead-s", "0.011"]):
+        assert main([str(tmp_path / "t.jsonl"), "--policy", "dfs", *flags, "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    plain, slow = runs
+    assert slow["steps"] == plain["steps"]  # the same schedule, each step 11 ms dearer
+    assert slow["makespan_s"] == pytest.approx(plain["makespan_s"] + 0.011 * plain["steps"])
+    assert slow["step_fixed_s"] == pytest.approx(plain["step_fixed_s"] + 0.011)
+    profile = {"name": "measured", "flops": 1e12, "bandwidth_bytes_per_s": 1e11,
+               "kv_capacity_bytes": 131072 * 5000,
+               "step_model": {"step_fixed_s": 0.02, "s_per_token": 1e-4, "s_per_row": 1e-4,
+                              "s_per_kv_token": 1e-6}}
+    (tmp_path / "hw.json").write_text(json.dumps(profile))
+    hw = [str(tmp_path / "t.jsonl"), "--policy", "dfs", "--hardware", str(tmp_path / "hw.json")]
+    assert main([*hw, "--json"]) == 0  # its fitted fixed cost holds the overhead already
+    capsys.readouterr()
+    assert main([*hw, "--step-overhead-s", "0.011", "--json"]) == 2
+    assert "datasheet" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cut", ["stratified", "sampled"])
 def test_dp_shards_cover_the_batch_once_and_the_slowest_sets_the_makespan(
         tmp_path: Path, capsys, cut: str) -> None:
