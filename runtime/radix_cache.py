@@ -25,7 +25,8 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # by first page
     ref: int = 0  # requests currently using this node (or a descendant)
     last_access: int = 0
-    end_hash: int | None = None  # page_hashes of the path through this node's last page
+    first_hash: int | None = None  # page_hashes of the path through this node's first page
+    end_hash: int | None = None  # ... through its last page (both memoised when first asked)
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, start: int = 0) -> Iterator[int]:
@@ -110,9 +111,10 @@ class RadixCache:
         parent = node.parent
         assert parent is not None and 0 < n < len(node.pages)
         upper = RadixNode(node.key[: n * ps], node.pages[:n], parent, ref=node.ref,
-                          last_access=node.last_access)  # its end_hash: computed when asked
+                          last_access=node.last_access, first_hash=node.first_hash)
         parent.children[tuple(upper.key[:ps])] = upper
         node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], upper
+        node.first_hash = None  # it begins one split later now
         upper.children[tuple(node.key[:ps])] = node
         return upper
 
@@ -192,11 +194,12 @@ class RadixCache:
 
     def _wanted(self, node: RadixNode) -> bool:
         """Whether a waiting prompt begins with the node's path through its first page."""
-        parent = node.parent
-        assert parent is not None
-        first = next(page_hashes(node.key[: self.page_size], self.page_size,
-                                 self._end_hash(parent)))
-        return self.demand.wants(first)
+        if node.first_hash is None:
+            parent = node.parent
+            assert parent is not None
+            node.first_hash = next(page_hashes(node.key[: self.page_size], self.page_size,
+                                               self._end_hash(parent)))
+        return self.demand.wants(node.first_hash)
 
     def _end_hash(self, node: RadixNode) -> int:
         """page_hashes of the path from the root through `node`'s last page (memoised)."""
