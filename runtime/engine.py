@@ -396,6 +396,7 @@ class Engine:
             self.cache.demand.add(req.prompt_token_ids, -1)
         for s in waiting:
             self._no_longer_waiting(s)
+        self.cache.rekey()
 
     def _no_longer_waiting(self, seq: _Seq) -> None:
         if seq.waiting_tokens:

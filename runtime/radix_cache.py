@@ -5,7 +5,8 @@ and its `pages` hold their K/V. Requests lock the path they use (ref counts up t
 unlocked leaves are evicted least-recently-used first when the pool runs out of pages, those
 no waiting prompt begins with (`PrefixDemand`) before those some waiting prompt still needs:
 an offline batch knows every prompt it will run, and a warm-up sample's prefixes would
-otherwise be the oldest leaves when their subtrees' turn comes.
+otherwise be the oldest leaves when their subtrees' turn comes. The candidates live in a heap
+kept as leaves become unlocked (an eviction costs O(log n), not a scan of every leaf).
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class RadixCache:
         self.root = RadixNode(key=[], pages=[], parent=None, ref=1, end_hash=0)
         self.evictable_pages = 0  # pages in nodes with ref == 0
         self.total_pages = 0
+        # Eviction candidates (wanted, last access, id, node), kept as nodes become unlocked
+        # leaves; an entry gone stale (locked, no longer a leaf, evicted, key changed) is
+        # dropped or re-keyed when it comes up, and the heap is rebuilt when mostly stale.
+        self._heap: list[tuple[bool, int, int, RadixNode]] = []
+        self._nodes = 0
 
     # ---- lookup -------------------------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int], max_pages: int | None = None) -> tuple[list[int], RadixNode]:
@@ -115,6 +121,8 @@ class RadixCache:
         parent.children[tuple(upper.key[:ps])] = upper
         node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], upper
         node.first_hash = None  # it begins one split later now
+        self._nodes += 1
+        self._offer(node)  # re-keyed: a waiting prompt may want its first page no longer
         upper.children[tuple(node.key[:ps])] = node
         return upper
 
@@ -138,6 +146,8 @@ class RadixCache:
                 node.children[tuple(new.key[:ps])] = new
                 self.evictable_pages += len(new.pages)
                 self.total_pages += len(new.pages)
+                self._nodes += 1
+                self._offer(new)
                 return i, new
             n = self._match_pages(child, tokens, i, n_pages)
             if n < len(child.pages):
@@ -161,6 +171,7 @@ class RadixCache:
             assert node.ref >= 0
             if node.ref == 0:
                 self.evictable_pages += len(node.pages)
+                self._offer(node)
             node = node.parent  # type: ignore[assignment]
 
     def unlocked_pages(self, node: RadixNode) -> int:
@@ -176,21 +187,49 @@ class RadixCache:
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked leaves, those no waiting prompt needs
         first, each kind oldest first; returns pages freed."""
-        heap = [(self._wanted(n), n.last_access, id(n), n) for n in self._leaves() if n.ref == 0]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
-            *_, node = heapq.heappop(heap)
+        ps, freed, rebuilt = self.page_size, 0, False
+        if len(self._heap) > 4 * self._nodes + 64:
+            self._rebuild()
+            rebuilt = True
+        while freed < num_pages:
+            if not self._heap:
+                if rebuilt or not self.evictable_pages:
+                    break
+                self._rebuild()  # a safety net: every unlocked leaf is offered as it becomes one
+                rebuilt = True
+                continue
+            wanted, last, _, node = heapq.heappop(self._heap)
             parent = node.parent
-            assert parent is not None
-            del parent.children[tuple(node.key[: self.page_size])]
+            if (parent is None or node.ref or node.children
+                    or parent.children.get(tuple(node.key[:ps])) is not node):
+                continue  # locked, no longer a leaf, or already evicted
+            key = (self._wanted(node), node.last_access)
+            if key != (wanted, last):
+                heapq.heappush(self._heap, (*key, id(node), node))
+                continue
+            del parent.children[tuple(node.key[:ps])]
             self._free_pages(node.pages)
             freed += len(node.pages)
             self.evictable_pages -= len(node.pages)
             self.total_pages -= len(node.pages)
-            if parent is not self.root and not parent.children and parent.ref == 0:
-                heapq.heappush(heap, (self._wanted(parent), parent.last_access, id(parent), parent))
+            self._nodes -= 1
+            self._offer(parent)
         return freed
+
+    def _offer(self, node: RadixNode) -> None:
+        """An unlocked leaf joins the eviction candidates (anything else is left out)."""
+        if node is not self.root and node.ref == 0 and not node.children:
+            heapq.heappush(self._heap, (self._wanted(node), node.last_access, id(node), node))
+
+    def rekey(self) -> None:
+        """Rank every eviction candidate afresh: after waiting prompts left without starting
+        (a prompt that starts locks what it wanted, and its leaves are re-ranked as unlocked)."""
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(self._wanted(n), n.last_access, id(n), n) for n in self._leaves()
+                      if n.ref == 0]
+        heapq.heapify(self._heap)
 
     def _wanted(self, node: RadixNode) -> bool:
         """Whether a waiting prompt begins with the node's path through its first page."""

@@ -3,7 +3,11 @@ what waiting prompts need last)."""
 
 from __future__ import annotations
 
-from runtime.radix_cache import PrefixDemand, RadixCache, page_hashes
+import random
+
+import pytest
+
+from runtime.radix_cache import PrefixDemand, RadixCache, RadixNode, page_hashes
 
 PS = 2
 
@@ -99,9 +103,25 @@ def test_a_prompt_that_shares_only_a_nodes_first_page_still_wants_it() -> None:
     cache.insert([3, 3], [30])
     cache.demand.add([1, 1, 9, 9])  # would split the node: its first page is worth keeping
     assert cache.evict(1) == 1 and freed == [30]
-    cache.demand.add([1, 1, 9, 9], -1)  # it started (or left): plain LRU again
+    cache.demand.add([1, 1, 9, 9], -1)  # it left without starting: plain LRU again
+    cache.rekey()
     cache.insert([4, 4], [40])
     assert cache.evict(1) == 2 and freed == [30, 10, 11]
+
+
+def test_a_prompt_that_starts_locks_what_it_wanted_and_frees_it_to_lru() -> None:
+    cache, freed = make_cache()
+    cache.insert([1, 1, 2, 2], [10, 11])
+    cache.insert([3, 3], [30])
+    cache.demand.add([1, 1, 2, 2, 5])
+    _, node = cache.match_prefix([1, 1, 2, 2, 5])  # it starts: the engine locks the prefix
+    cache.demand.add([1, 1, 2, 2, 5], -1)
+    cache.lock(node)
+    cache.insert([4, 4], [40])
+    cache.unlock(node)  # finished, and nobody waits for its prefix: LRU ranks it again
+    assert cache.evict(1) == 1 and freed == [30]
+    assert cache.evict(1) == 2 and freed == [30, 10, 11]  # used before [4, 4] was cached
+    assert cache.evict(1) == 1 and freed == [30, 10, 11, 40]
 
 
 def test_a_split_node_keeps_its_path_hash() -> None:
@@ -124,3 +144,68 @@ def test_demand_counts_each_waiting_prompt() -> None:
     assert demand.wants(first) and demand.wants(second)  # the other prompt still waits
     demand.add([1, 1, 3, 3], -1)
     assert not demand.wants(first) and not demand.wants(second)
+
+
+def test_repeated_locking_frees_each_page_once() -> None:
+    cache, freed = make_cache()
+    cache.insert([1, 1, 2, 2], [10, 11])
+    _, node = cache.match_prefix([1, 1, 2, 2])
+    for _ in range(1000):  # each unlock offers the leaf again
+        cache.lock(node)
+        cache.unlock(node)
+    cache.insert([3, 3], [30])
+    assert cache.evict(10) == 3 and sorted(freed) == [10, 11, 30]
+    assert cache.evict(10) == 0 and cache.total_pages == 0
+
+
+def _path_first_hash(node: RadixNode) -> int:
+    keys = []
+    n = node.parent
+    while n is not None and n.key:
+        keys.append(n.key)
+        n = n.parent
+    path = [t for key in reversed(keys) for t in key] + node.key[:PS]
+    *_, h = page_hashes(path, PS)
+    return h
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_eviction_takes_the_leaf_a_full_ranking_would(seed: int) -> None:
+    # The candidates are kept lazily; every single-leaf eviction must still pick the unlocked
+    # leaf that ranks first by (wanted by a waiting prompt, last access), as a fresh scan would.
+    rng = random.Random(seed)
+    cache, freed = make_cache()
+    locked: list[RadixNode] = []
+    waiting: list[list[int]] = []
+    next_page = 0
+    for _ in range(400):
+        op = rng.random()
+        tokens = [rng.randrange(1, 4) for _ in range(2 * rng.randrange(1, 5))]
+        if op < 0.35:
+            n = len(tokens) // PS
+            cache.insert(tokens, list(range(next_page, next_page + n)))
+            next_page += n
+        elif op < 0.5:
+            _, node = cache.match_prefix(tokens)
+            if node is not cache.root:
+                cache.lock(node)
+                locked.append(node)
+        elif op < 0.6 and locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        elif op < 0.7:
+            cache.demand.add(tokens)
+            waiting.append(tokens)
+        elif op < 0.75 and waiting:
+            cache.demand.add(waiting.pop(rng.randrange(len(waiting))), -1)
+            cache.rekey()
+        else:
+            leaves = [n for n in cache.nodes() if not n.children and n.ref == 0]
+            if not leaves:
+                continue
+            best = min(leaves, key=lambda n: (cache.demand.wants(_path_first_hash(n)),
+                                              n.last_access, id(n)))
+            before = len(freed)
+            assert cache.evict(1) == len(best.pages)
+            assert freed[before:] == best.pages
+    assert cache.evictable_pages + sum(len(n.pages) for n in cache.nodes() if n.ref) \
+        == cache.total_pages
