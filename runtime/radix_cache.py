@@ -79,7 +79,6 @@ class RadixCache:
         # leaves; an entry gone stale (locked, no longer a leaf, evicted, key changed) is
         # dropped or re-keyed when it comes up, and the heap is rebuilt when mostly stale.
         self._heap: list[tuple[bool, int, int, RadixNode]] = []
-        self._nodes = 0
 
     # ---- lookup -------------------------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int], max_pages: int | None = None) -> tuple[list[int], RadixNode]:
@@ -121,7 +120,6 @@ class RadixCache:
         parent.children[tuple(upper.key[:ps])] = upper
         node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], upper
         node.first_hash = None  # it begins one split later now
-        self._nodes += 1
         self._offer(node)  # re-keyed: a waiting prompt may want its first page no longer
         upper.children[tuple(node.key[:ps])] = node
         return upper
@@ -146,7 +144,6 @@ class RadixCache:
                 node.children[tuple(new.key[:ps])] = new
                 self.evictable_pages += len(new.pages)
                 self.total_pages += len(new.pages)
-                self._nodes += 1
                 self._offer(new)
                 return i, new
             n = self._match_pages(child, tokens, i, n_pages)
@@ -187,17 +184,10 @@ class RadixCache:
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked leaves, those no waiting prompt needs
         first, each kind oldest first; returns pages freed."""
-        ps, freed, rebuilt = self.page_size, 0, False
-        if len(self._heap) > 4 * self._nodes + 64:
-            self._rebuild()
-            rebuilt = True
-        while freed < num_pages:
-            if not self._heap:
-                if rebuilt or not self.evictable_pages:
-                    break
-                self._rebuild()  # a safety net: every unlocked leaf is offered as it becomes one
-                rebuilt = True
-                continue
+        ps, freed = self.page_size, 0
+        if len(self._heap) > 4 * self.total_pages + 64:  # mostly stale (a node holds >= 1 page)
+            self.rekey()
+        while freed < num_pages and self._heap:
             wanted, last, _, node = heapq.heappop(self._heap)
             parent = node.parent
             if (parent is None or node.ref or node.children
@@ -212,7 +202,6 @@ class RadixCache:
             freed += len(node.pages)
             self.evictable_pages -= len(node.pages)
             self.total_pages -= len(node.pages)
-            self._nodes -= 1
             self._offer(parent)
         return freed
 
@@ -224,9 +213,6 @@ class RadixCache:
     def rekey(self) -> None:
         """Rank every eviction candidate afresh: after waiting prompts left without starting
         (a prompt that starts locks what it wanted, and its leaves are re-ranked as unlocked)."""
-        self._rebuild()
-
-    def _rebuild(self) -> None:
         self._heap = [(self._wanted(n), n.last_access, id(n), n) for n in self._leaves()
                       if n.ref == 0]
         heapq.heapify(self._heap)
