@@ -678,8 +678,8 @@ class Engine:
         # constrained choices: mask what their grammar forbids (logprobs are of what is left)
         self._grammar_s, t0 = 0.0, time.perf_counter()
         rows = [i for i, s in enumerate(sample) if s.grammar is not None]
-        if logits.device.type != "cpu" and (rows or any(_host_sampling(s.sampling) for s in sample)):
-            logits = logits.cpu()  # grammars, random draws, penalties, logprobs: on the host
+        if rows or any(_host_sampling(s.sampling) for s in sample):
+            logits = logits.float().cpu()  # grammars, draws, penalties, logprobs: fp32 on the host
         if rows:
             self.grammars.constrain(logits, rows, [sample[i].grammar for i in rows])
             self._grammar_s += time.perf_counter() - t0
@@ -736,7 +736,8 @@ def unmeasured_cost_model(config: ModelConfig, dtype: torch.dtype) -> CostModel:
 
 
 def _host_sampling(st: SamplingState) -> bool:
-    """Greedy rows without logprobs or penalties are sampled on the device (one argmax)."""
+    """Greedy rows without logprobs or penalties are sampled on the device, in the model
+    dtype (one max per row); any other row has the step's logits widened to float32."""
     p = st.params
     return st.generator is not None or bool(p.logprobs or p.presence_penalty or p.frequency_penalty)
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from runtime.attention import AttentionBatch, cpu_kernel
 from runtime.host_load import LoadMeter, load_fields
+from runtime.sampler import greedy_tokens
 from runtime.types import EngineRequest, SamplingParams, StepRecord
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int =
                 start = time.perf_counter()
                 plan = engine.attn.plan(batch)
                 logits = engine.model.forward(ids, pos, engine.attn, plan, rows)
-                logits.argmax(-1).tolist()  # sampling brings token ids back to the host
+                greedy_tokens(logits)  # sampling brings token ids back to the host
                 times.append(time.perf_counter() - start)
     finally:
         engine.pool.free(pages)

@@ -19,6 +19,23 @@ def test_greedy_rows_take_the_argmax() -> None:
     assert [t.token_id for t in out] == logits.argmax(-1).tolist()
 
 
+def test_bfloat16_logits_sample_as_their_float32_values_would() -> None:
+    # The engine hands greedy rows over in the model dtype (no float32 copy of [R, V]): the
+    # max takes the first of tied ids as argmax does, and draws, penalties and logprobs still
+    # see float32 (a bfloat16 log-softmax would be off by ~1e-2).
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    logits[1, [17, 40, 250]] = 9.0  # a tie: the first id wins
+    wide = logits.float()
+    greedy = Sampler().sample(logits, states(*[SamplingParams(temperature=0)] * 4))
+    assert [t.token_id for t in greedy] == wide.argmax(-1).tolist() and greedy[1].token_id == 17
+    p = [SamplingParams(temperature=0, logprobs=True, top_logprobs=2),
+         SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0),
+         SamplingParams(temperature=0, frequency_penalty=0.5)]
+    got, ref = Sampler().sample(logits, states(*p)), Sampler().sample(wide, states(*p))
+    assert [(t.token_id, t.logprob, t.top) for t in got] == [(t.token_id, t.logprob, t.top) for t in ref]
+    assert torch.equal(logits.float(), wide)  # the penalty worked on a copy
+
+
 def test_same_seed_same_tokens_and_mixed_batches_work() -> None:
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0)).repeat(2, 1)
     p = SamplingParams(temperature=1.0, seed=7)
