@@ -1,8 +1,10 @@
 """The GPU measurements of the device check (bench/gpu_check.sh runs this on an H200).
 
 1. agreement: greedy outputs of the flashinfer backend (overlap off and on) against the torch
-   backend, on the bundled model when it is installed, else on its shape (smollm2-135m) with
-   random weights drawn wide enough (std 0.2) that greedy choices are rarely near-ties.
+   backend, and of each bf16 run against the torch backend in fp32 on the same weights (if
+   torch-bf16 parts from fp32 as early as flashinfer does, rounding explains it), on the bundled
+   model when it is installed, else on its shape (smollm2-135m) with random weights of std 0.2.
+   bench/gpu_agreement.py compares the logits themselves, teacher-forced.
 2. throughput: output tokens/s on `dummy:llama-3-8b` over a mixed trace (compute-heavy long
    prompts with short outputs, memory-heavy short prompts with long outputs, shared system
    prompts) for policies {dfs, blend} x overlap {off, on}; a fresh engine per run (cold cache).
@@ -116,10 +118,12 @@ def agreement(n: int = 48, max_tokens: int = 32) -> dict[str, Any]:
     overlap.MIN_TOKENS = 64  # a small model's steps: split them anyway, to check the halves
     try:
         fi = RUN["backend"]
-        for name, backend, ov in (("torch", "torch", False), ("flashinfer", fi, False),
-                                  ("flashinfer+overlap", fi, True)):
+        for name, backend, ov, dtype in (("torch", "torch", False, "bfloat16"),
+                                         ("flashinfer", fi, False, "bfloat16"),
+                                         ("flashinfer+overlap", fi, True, "bfloat16"),
+                                         ("torch-fp32", "torch", False, "float32")):
             eng = Engine(model, EngineConfig(max_batch_tokens=1024, kv_memory_bytes=1 << 30,
-                                             device=RUN["device"], dtype="bfloat16",
+                                             device=RUN["device"], dtype=dtype,
                                              attention_backend=backend, overlap=ov))
             if ov and eng._overlap is None and RUN["device"] == "cpu":  # smoke: fake lanes
                 from tests.runtime.test_overlap import FakeLane
@@ -132,15 +136,16 @@ def agreement(n: int = 48, max_tokens: int = 32) -> dict[str, Any]:
             free_cuda()
     finally:
         overlap.MIN_TOKENS = saved
-    ref = outs["torch"]
     report: dict[str, Any] = {"model": label, "requests": n, "max_tokens": max_tokens}
-    for name in ("flashinfer", "flashinfer+overlap"):
-        got = outs[name]
+    for name, ref_name in (("flashinfer", "torch"), ("flashinfer+overlap", "torch"),
+                           ("torch", "torch-fp32"), ("flashinfer", "torch-fp32")):
+        got, ref = outs[name], outs[ref_name]
         same = sum(got[k] == ref[k] for k in ref)
         prefix = [next((i for i, (a, b) in enumerate(zip(got[k], ref[k])) if a != b),
                        len(ref[k])) for k in ref]
-        report[name] = {"identical_requests": same,
-                        "tokens_before_first_difference": sum(prefix) / (n * max_tokens)}
+        key = name if ref_name == "torch" else f"{name} vs {ref_name}"
+        report[key] = {"identical_requests": same,
+                       "tokens_before_first_difference": sum(prefix) / (n * max_tokens)}
     return report
 
 
@@ -216,6 +221,19 @@ def decode_bound(shape: str, batch: int, ctx: int) -> dict[str, Any]:
             "ratio_to_bound": seconds / bound, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
 
 
+def run_sections(sections: Any, report: dict[str, Any], save: Any, started: float) -> None:
+    """Each (name, fn) in turn: its result (or its error, and on to the next) into `report`,
+    saved after each, so a run cut short by the device's time limit keeps what it measured."""
+    for name, fn in sections:
+        print(f"[{time.monotonic() - started:6.1f}s] {name}", flush=True)
+        try:
+            report[name] = fn()
+        except Exception as e:  # noqa: BLE001  (report it and go on with the next section)
+            report[name] = {"error": repr(e)}
+            print(f"  {name} failed: {e!r}", flush=True)
+        save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "gpu_report.json")
@@ -252,14 +270,7 @@ def main() -> None:
                 ("agreement", agreement),
                 ("throughput", lambda: throughput(args.model, args.requests,
                                                   args.max_batch_tokens, args.deadline_s)))
-    for name, fn in sections:
-        print(f"[{time.monotonic() - STARTED:6.1f}s] {name}", flush=True)
-        try:
-            report[name] = fn()
-        except Exception as e:  # noqa: BLE001  (report it and go on with the next section)
-            report[name] = {"error": repr(e)}
-            print(f"  {name} failed: {e!r}", flush=True)
-        save()
+    run_sections(sections, report, save, STARTED)
     report["checks"] = checks(report)
     save()
     print_table(report)
@@ -280,7 +291,9 @@ def checks(r: dict[str, Any]) -> dict[str, Any]:
     a = r.get("agreement", {})
     if "flashinfer" in a:
         out["greedy_identical"] = {k: f"{a[k]['identical_requests']}/{a['requests']}"
-                                   for k in ("flashinfer", "flashinfer+overlap")}
+                                   for k in ("flashinfer", "flashinfer+overlap",
+                                             "torch vs torch-fp32", "flashinfer vs torch-fp32")
+                                   if k in a}
     return out
 
 

@@ -120,7 +120,9 @@ class _Slot:
     """One prefill and one decode wrapper sharing a workspace (they run one after the other)."""
 
     def __init__(self, fi: Any, device: torch.device, *, tensor_cores: bool) -> None:
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # zeroed: FlashInfer's decode wrapper documents its float workspace as "must be
+        # initialized to 0 for its first use" (split-KV scratch; zeroed once, at start)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
         self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, kv_layout="NHD", use_tensor_cores=tensor_cores)
