@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from scheduler.dual_scan import (
     split_memory,
     steady_prefill,
 )
-from scheduler.dual_scan.policy import CRIT
+from scheduler.dual_scan.policy import CRIT, KV_SHORT_OVERCOMMIT
 from scheduler.prefix_tree import PrefixTree
 from scheduler.split import DEFAULT_KEEP_SHARING
 from scheduler.types import PlanRequest
@@ -195,6 +197,32 @@ def test_where_kv_is_short_the_memory_side_reads_all_the_kv_its_peak_allows():
     assert steady_read > 1.5 * read_budget  # the read budget did not bound it
     peak = KvPeak(np.full(len(out), 100.0), np.array([float(r.known_output_len) for r in out]))
     assert peak.with_request(0.0, 0.0) <= capacity < peak.with_request(100.0, 2000.0)  # the KV did
+
+
+def test_where_kv_is_short_an_estimated_peak_may_pass_the_capacity_a_known_one_not():
+    # Estimated lengths are means: as many finish early as late, so the memory side admits
+    # until their peak at the estimates is KV_SHORT_OVERCOMMIT past the capacity (a request
+    # preempted when it comes true recomputes on idle compute). Known lengths are exact.
+    capacity = 100_000
+
+    def admitted(known: bool) -> tuple[list, BlendPolicy]:
+        reqs = [make_request(100, 20_000, max_tokens=32_768)]  # sets the steps: KV is short
+        reqs += [make_request(100, 2000) if known
+                 else replace(make_request(100, max_tokens=4096), output_prior=2000)
+                 for _ in range(200)]
+        pol = _policy(reqs, capacity=capacity, cost=h200_8b())  # no sample: estimated at 2000
+        return pol.admit(make_budget(capacity)), pol
+
+    def peak(out: list, extra: float = 0.0) -> float:
+        return KvPeak(np.full(len(out), 100.0), np.array([20_000.0] + [2000.0] * (len(out) - 1))
+                      ).with_request(100.0 if extra else 0.0, extra)
+
+    exact, _ = admitted(known=True)
+    est, pol = admitted(known=False)
+    assert pol.plan is not None and all(pol.side_of(r.id) == 1 for r in est)
+    assert peak(exact) <= capacity < peak(exact, 2000.0)
+    limit = capacity * (1 + KV_SHORT_OVERCOMMIT)
+    assert capacity < peak(est) <= limit < peak(est, 2000.0) and len(est) > len(exact)
 
 
 def test_warm_up_paces_the_filler_once_the_sample_has_prefilled():
