@@ -8,7 +8,9 @@ outputs match `generate` token for token in the same dtype.
 On a CPU the GEMM weights are reordered once at load into oneDNN's blocked layout and run through
 its prepacked linear (`pack_cpu_weights`): on a 2-core EPYC the layers' GEMMs of a step took
 1.6-2.2x less time than `F.linear` on the plain tensors in bf16 at 1-64 rows, 1.2x at 512-2048
-(2.3-3.5x in fp32). BLENDSERVE_PACKED_WEIGHTS=0 keeps the plain tensors.
+(2.3-3.5x in fp32). BLENDSERVE_PACKED_WEIGHTS=0 keeps the plain tensors. In bf16 the
+RMSNorms, RoPE and SiLU·up run as one C pass each (cpu_kernel's elementwise ops, the same
+roundings as the torch op chains they replace); BLENDSERVE_FUSED_OPS=0 keeps the chains.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runtime.attention import cpu_kernel
 from runtime.attention.base import AttentionBackend
 from runtime.config import ModelConfig
 
@@ -106,6 +109,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def fused_cpu_ops(device: torch.device, dtype: torch.dtype) -> Any:
+    """The CPU kernel library whose fused bf16 elementwise ops the layers use, or None (another
+    device or dtype, no compiler, or BLENDSERVE_FUSED_OPS=0). A 64-row decode step had ~12 ms of
+    such op chains beside ~30 ms of GEMMs on a 2-core EPYC."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("BLENDSERVE_FUSED_OPS", "1") == "0":
+        return None
+    return cpu_kernel.load()
+
+
 class LlamaModel:
     """Weights as plain tensors (no nn.Module): the forward is a straight line of torch ops."""
 
@@ -162,6 +174,7 @@ class LlamaModel:
         self.row_chunk: int | None = CPU_ROW_CHUNK if self.device.type == "cpu" else None
         if self.device.type == "cpu" and pack_cpu_weights(dtype):
             self._pack_weights()
+        self.fused_ops = fused_cpu_ops(self.device, dtype)  # None: the torch op chains
 
     def _pack_weights(self) -> None:
         """The GEMM weights in oneDNN's layout (see the module docstring); the embedding table
@@ -235,25 +248,40 @@ class LlamaModel:
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> q [T, H, hd], k and v [T, KVH, hd] (RoPE applied to q and k)."""
         c, lw, t = self.config, self.layers[i], x.shape[0]
-        h = _rms_norm(x, lw["ln1"], c.rms_norm_eps)  # type: ignore[arg-type]
+        h = self._norm(x, lw["ln1"])  # type: ignore[arg-type]
         qkv = self.linear(h, lw["qkv"], lw["qkv_b"])  # type: ignore[arg-type]  # [T, (H+2KVH)*hd]
-        qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, c.head_dim), cos, sin)
+        qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, c.head_dim), cos, sin)
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, H, hd], [T, KVH, hd]
         v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
         return q, k, v
 
     def layer_post(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] residual, o: [T, H*hd] attention output -> the layer's output."""
-        c, lw = self.config, self.layers[i]
+        lw = self.layers[i]
         x = x + self.linear(o, lw["o"])  # type: ignore[arg-type]
-        h = _rms_norm(x, lw["ln2"], c.rms_norm_eps)  # type: ignore[arg-type]
+        h = self._norm(x, lw["ln2"])  # type: ignore[arg-type]
         gu = self.linear(h, lw["gate_up"])  # type: ignore[arg-type]  # [T, 2*inter]
-        gate, up = gu.chunk(2, dim=-1)
-        return x + self.linear(F.silu(gate) * up, lw["down"])  # type: ignore[arg-type]
+        return x + self.linear(self._silu_mul(gu), lw["down"])  # type: ignore[arg-type]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None:
+            return cpu_kernel.rms_norm(self.fused_ops, x, weight, self.config.rms_norm_eps)
+        return _rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None:
+            return cpu_kernel.rope(self.fused_ops, x, cos[:, 0], sin[:, 0])
+        return _rope(x, cos, sin)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None:
+            return cpu_kernel.silu_mul(self.fused_ops, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def logits(self, x: torch.Tensor, logits_idx: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> logits [R, V] (model dtype) of the rows in logits_idx [R]. Not
         widened here: greedy rows need only a max, and a CPU step's [R, V] float32 copy of
         them cost more than the max itself (64 rows: ~6 ms against ~1.5 ms)."""
-        x = _rms_norm(x.index_select(0, logits_idx), self.norm, self.config.rms_norm_eps)
+        x = self._norm(x.index_select(0, logits_idx), self.norm)
         return self.linear(x, self.lm_head)  # [R, V]

@@ -365,10 +365,12 @@ def attention_kind(engine: Engine) -> str:
 
 def linear_kind(engine: Engine) -> str:
     """How the model's GEMMs run: `onednn-packed` (weights reordered at load, runtime/model.py)
-    or `plain` (F.linear), and `/rows<n>` when a large step runs n rows at a time."""
+    or `plain` (F.linear), `/rows<n>` when a large step runs n rows at a time, and `/fused`
+    when its elementwise ops run as the CPU kernel's fused passes."""
     kind = "plain" if engine.model.linear is F.linear else "onednn-packed"
     rows = engine.model.row_chunk
-    return kind if rows is None else f"{kind}/rows{rows}"
+    kind = kind if rows is None else f"{kind}/rows{rows}"
+    return f"{kind}/fused" if engine.model.fused_ops is not None else kind
 
 
 def _kernel_id(engine: Engine) -> str | None:

@@ -5,6 +5,7 @@ the pages into a dense copy before SDPA reads and writes that context twice more
 the longest sequence adds more; the kernel reads each page in place instead (vLLM's CPU backend
 does the same with its own C++ kernels). `paged_prefill` does the same for prefill chunks, causal
 (bf16 with AVX512-BF16 in its fastest path, any other dtype and CPU in plain vectorised loops).
+The same library holds the model's fused bf16 elementwise ops (`rms_norm`, `rope`, `silu_mul`).
 
 The shared object is compiled with the system's C compiler (`gcc -O3 -march=native -fopenmp`)
 into `$BLENDSERVE_KERNEL_DIR` (default `~/.cache/blendserve/kernels`), keyed by the source, the
@@ -100,6 +101,12 @@ def load() -> ctypes.CDLL | None:
     lib.paged_prefill.restype = i
     lib.paged_prefill_supported.argtypes = [i, i]
     lib.paged_prefill_supported.restype = i
+    lg, f = ctypes.c_long, ctypes.c_float
+    lib.rms_norm_bf16.argtypes = [p, lg, p, i, i, f, i, p]
+    lib.silu_mul_bf16.argtypes = [p, i, i, i, p]
+    lib.rope_bf16.argtypes = [p, lg, i, i, i, p, p, i, p]
+    for fn in (lib.rms_norm_bf16, lib.silu_mul_bf16, lib.rope_bf16):
+        fn.restype = None
     return lib
 
 
@@ -143,4 +150,45 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
                            torch.get_num_threads(), out.data_ptr())
     if rc != 0:
         raise MemoryError("paged_prefill: out of memory for its work buffers")
+    return out
+
+
+# The layer's elementwise ops in bf16 (paged_decode.c's last section): one pass each instead of
+# a chain of torch ops, the same roundings. Inputs bf16 with unit stride along their last dim.
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [rows, …] as (x, its row stride), copied when its rows are not evenly strided."""
+    if x.stride(-1) != 1 or (x.dim() > 2 and not x[0].is_contiguous()):
+        x = x.contiguous()
+    return x, x.stride(0)
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, n] -> weight · bf16(x / rms(x)) [T, n], normalised in fp32."""
+    x, stride = _rows(x)
+    t, n = x.shape
+    out = torch.empty((t, n), dtype=x.dtype)
+    lib.rms_norm_bf16(x.data_ptr(), stride, weight.data_ptr(), t, n, eps,
+                      torch.get_num_threads(), out.data_ptr())
+    return out
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2n] -> silu(gate) · up [T, n]."""
+    gate_up = gate_up.contiguous()
+    t, n2 = gate_up.shape
+    out = torch.empty((t, n2 // 2), dtype=gate_up.dtype)
+    lib.silu_mul_bf16(gate_up.data_ptr(), t, n2 // 2, torch.get_num_threads(), out.data_ptr())
+    return out
+
+
+def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd] (heads contiguous within a row), cos/sin [T, hd/2] -> x rotated (rotate
+    half), a new contiguous [T, heads, hd]."""
+    x, stride = _rows(x)
+    t, heads, hd = x.shape
+    out = torch.empty((t, heads, hd), dtype=x.dtype)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    lib.rope_bf16(x.data_ptr(), stride, t, heads, hd, cos.data_ptr(), sin.data_ptr(),
+                  torch.get_num_threads(), out.data_ptr())
     return out

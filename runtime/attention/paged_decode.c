@@ -747,3 +747,67 @@ int paged_prefill(const void *q, const int32_t *q_start, const int32_t *kv_lens,
     free(first);
     return failed ? -1 : 0;
 }
+
+/* ---- The layer's elementwise ops in bf16, fused (runtime/model.py on a CPU) ----------------
+ * Each replaces a chain of torch ops that round every intermediate to bf16 and cost a pass over
+ * memory and a dispatch apiece (an RMSNorm was five, a RoPE seven). The roundings are kept where
+ * torch makes them, so results match the op chains to the bit but for the order of the norm's
+ * sum of squares and the exp inside SiLU (a last-bit difference, rarely). Rows in parallel. */
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* out [rows, n] = w · bf16(x / rms(x)), normalised in fp32 (as transformers' LlamaRMSNorm);
+ * x rows `x_stride` elements apart. */
+void rms_norm_bf16(const uint16_t *x, long x_stride, const uint16_t *w, int rows, int n,
+                   float eps, int threads, uint16_t *out) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
+    for (int t = 0; t < rows; t++) {
+        const uint16_t *xr = x + (size_t)t * x_stride;
+        uint16_t *o = out + (size_t)t * n;
+        float ss = 0.f;
+        for (int i = 0; i < n; i++) {
+            float v = bf16_to_f32(xr[i]);
+            ss += v * v;
+        }
+        float r = 1.f / sqrtf(ss / (float)n + eps);
+        for (int i = 0; i < n; i++)
+            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(xr[i]) * r));
+    }
+}
+
+/* gu [rows, 2n] (gate | up) -> out [rows, n] = bf16(silu(gate)) · up. */
+void silu_mul_bf16(const uint16_t *gu, int rows, int n, int threads, uint16_t *out) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
+    for (int t = 0; t < rows; t++) {
+        const uint16_t *g = gu + (size_t)t * 2 * n, *u = g + n;
+        uint16_t *o = out + (size_t)t * n;
+        for (int i = 0; i < n; i++) {
+            float x = bf16_to_f32(g[i]);
+            float e = exp_nonpos(-fabsf(x)); /* exp(-|x|): sigmoid without overflow */
+            float s = (x >= 0.f ? x : x * e) / (1.f + e);
+            o[i] = f32_to_bf16(round_bf16(s) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* Rotate-half RoPE: x rows `x_stride` elements apart, each `heads` heads of hd; cos, sin
+ * [rows, hd/2] -> out [rows, heads, hd] = (x1·cos − x2·sin, x2·cos + x1·sin), each product and
+ * each sum rounded to bf16 as torch's bf16 ops round them. */
+void rope_bf16(const uint16_t *x, long x_stride, int rows, int heads, int hd,
+               const uint16_t *cos_, const uint16_t *sin_, int threads, uint16_t *out) {
+    int half = hd / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
+    for (int t = 0; t < rows; t++) {
+        const uint16_t *c = cos_ + (size_t)t * half, *s = sin_ + (size_t)t * half;
+        for (int h = 0; h < heads; h++) {
+            const uint16_t *xr = x + (size_t)t * x_stride + (size_t)h * hd;
+            uint16_t *o = out + ((size_t)t * heads + h) * hd;
+            for (int i = 0; i < half; i++) {
+                float x1 = bf16_to_f32(xr[i]), x2 = bf16_to_f32(xr[i + half]);
+                float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
+                o[i] = f32_to_bf16(round_bf16(x1 * ci) - round_bf16(x2 * si));
+                o[i + half] = f32_to_bf16(round_bf16(x2 * ci) + round_bf16(x1 * si));
+            }
+        }
+    }
+}

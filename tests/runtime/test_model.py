@@ -242,3 +242,48 @@ def test_in_place_prefill_kernel_equals_gathered_masked_sdpa(head_dim: int, dtyp
     gathered = attn.forward(0, q, k, v, attn.plan(batch))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(in_place.float(), gathered.float(), rtol=tol, atol=tol)
+
+
+def test_fused_bf16_ops_round_as_the_torch_op_chains_do() -> None:
+    """RMSNorm and RoPE to the bit (a RoPE input strided as the qkv GEMM's output slice), SiLU·up
+    but for the exp's last bit on a rare element."""
+    import torch.nn.functional as F
+
+    from runtime.attention import cpu_kernel
+    from runtime.model import _rms_norm, _rope
+
+    lib = cpu_kernel.load()
+    assert lib is not None, "the CPU kernel did not build here"
+    gen = torch.Generator().manual_seed(7)
+    for t in (1, 37):
+        x = (torch.randn(t, 96, generator=gen) * 3).to(torch.bfloat16)
+        w = torch.randn(96, generator=gen).to(torch.bfloat16)
+        assert torch.equal(cpu_kernel.rms_norm(lib, x, w, 1e-5), _rms_norm(x, w, 1e-5))
+        qkv = torch.randn(t, 7 * 32, generator=gen).to(torch.bfloat16)
+        qk = qkv[:, : 5 * 32].view(t, 5, 32)  # rows 224 apart, heads contiguous
+        angle = torch.randint(0, 4000, (t, 1), generator=gen).float() * torch.rand(16, generator=gen)
+        cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+        assert torch.equal(cpu_kernel.rope(lib, qk, cos, sin), _rope(qk, cos[:, None], sin[:, None]))
+        gu = (torch.randn(t, 2 * 640, generator=gen) * 4).to(torch.bfloat16)
+        gate, up = gu.chunk(2, dim=-1)
+        fused, chain = cpu_kernel.silu_mul(lib, gu), F.silu(gate) * up
+        assert (fused != chain).float().mean() < 1e-2
+        torch.testing.assert_close(fused, chain, rtol=1e-2, atol=1e-3)
+
+
+def test_a_bf16_step_with_fused_ops_gives_the_op_chains_logits() -> None:
+    hf = hf_model("llama")
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    model = LlamaModel(cfg, hf.state_dict(), dtype=torch.bfloat16)
+    assert model.fused_ops is not None, "the CPU kernel did not build here"
+    pool = PagedKVPool(num_layers=cfg.num_layers, num_pages=16, page_size=4,
+                       kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=torch.bfloat16)
+    attn = make_backend("torch", pool, num_heads=cfg.num_heads, scale=cfg.head_dim**-0.5)
+    batch = AttentionBatch(q_lens=[9], kv_lens=[9], page_tables=[[0, 1, 2]], num_decode=0)
+    ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for ops in (model.fused_ops, None):
+        model.fused_ops = ops
+        outs.append(model.forward(ids, torch.arange(9), attn, attn.plan(batch), torch.arange(9)))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
