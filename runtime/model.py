@@ -9,8 +9,9 @@ On a CPU the GEMM weights are reordered once at load into oneDNN's blocked layou
 its prepacked linear (`pack_cpu_weights`): on a 2-core EPYC the layers' GEMMs of a step took
 1.6-2.2x less time than `F.linear` on the plain tensors in bf16 at 1-64 rows, 1.2x at 512-2048
 (2.3-3.5x in fp32). BLENDSERVE_PACKED_WEIGHTS=0 keeps the plain tensors. In bf16 the
-RMSNorms, RoPE and SiLU·up run as one C pass each (cpu_kernel's elementwise ops, the same
-roundings as the torch op chains they replace); BLENDSERVE_FUSED_OPS=0 keeps the chains.
+RMSNorms, RoPE and SiLU·up run as one C pass each (cpu_kernel's elementwise ops, rounding where
+the torch op chains they replace round; the norm sums in its own order, see paged_decode.c);
+BLENDSERVE_FUSED_OPS=0 keeps the chains.
 """
 
 from __future__ import annotations

@@ -751,10 +751,28 @@ int paged_prefill(const void *q, const int32_t *q_start, const int32_t *kv_lens,
 /* ---- The layer's elementwise ops in bf16, fused (runtime/model.py on a CPU) ----------------
  * Each replaces a chain of torch ops that round every intermediate to bf16 and cost a pass over
  * memory and a dispatch apiece (an RMSNorm was five, a RoPE seven). The roundings are kept where
- * torch makes them, so results match the op chains to the bit but for the order of the norm's
- * sum of squares and the exp inside SiLU (a last-bit difference, rarely). Rows in parallel. */
+ * torch makes them: RoPE and SiLU·up match the chains to the bit; the RMSNorm adds its squares
+ * in another order than torch's reduction, so now and then a value rounds the other way (a
+ * model's greedy bf16 outputs can then part from the chains', as they part between batchings;
+ * its logits are as far from an fp32 run's). Rows in parallel. */
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* exp(x) for |x| <= 87 to about an ulp: 2^n · 2^f with f in [-1/2, 1/2] (exp_nonpos takes
+ * f in [0, 1), 1e-5, enough for a softmax but not to round SiLU as torch's exp does). */
+static inline float exp_ulp(float x) {
+    float t = fminf(fmaxf(x, -87.f), 87.f) * 1.44269504f;
+    float n = rintf(t), f = t - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.f;
+    union { int32_t i; float f; } two_n = { ((int32_t)n + 127) << 23 };
+    return p * two_n.f;
+}
 
 /* out [rows, n] = w · bf16(x / rms(x)), normalised in fp32 (as transformers' LlamaRMSNorm);
  * x rows `x_stride` elements apart. */
@@ -783,9 +801,7 @@ void silu_mul_bf16(const uint16_t *gu, int rows, int n, int threads, uint16_t *o
         uint16_t *o = out + (size_t)t * n;
         for (int i = 0; i < n; i++) {
             float x = bf16_to_f32(g[i]);
-            float e = exp_nonpos(-fabsf(x)); /* exp(-|x|): sigmoid without overflow */
-            float s = (x >= 0.f ? x : x * e) / (1.f + e);
-            o[i] = f32_to_bf16(round_bf16(s) * bf16_to_f32(u[i]));
+            o[i] = f32_to_bf16(round_bf16(x / (1.f + exp_ulp(-x))) * bf16_to_f32(u[i]));
         }
     }
 }

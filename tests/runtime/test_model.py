@@ -245,8 +245,9 @@ def test_in_place_prefill_kernel_equals_gathered_masked_sdpa(head_dim: int, dtyp
 
 
 def test_fused_bf16_ops_round_as_the_torch_op_chains_do() -> None:
-    """RMSNorm and RoPE to the bit (a RoPE input strided as the qkv GEMM's output slice), SiLU·up
-    but for the exp's last bit on a rare element."""
+    """RoPE (on an input strided as the qkv GEMM's output slice) and SiLU·up to the bit; the
+    RMSNorm too on these inputs (its sum of squares runs in another order than torch's, so on
+    some inputs a value rounds the other way)."""
     import torch.nn.functional as F
 
     from runtime.attention import cpu_kernel
@@ -266,9 +267,7 @@ def test_fused_bf16_ops_round_as_the_torch_op_chains_do() -> None:
         assert torch.equal(cpu_kernel.rope(lib, qk, cos, sin), _rope(qk, cos[:, None], sin[:, None]))
         gu = (torch.randn(t, 2 * 640, generator=gen) * 4).to(torch.bfloat16)
         gate, up = gu.chunk(2, dim=-1)
-        fused, chain = cpu_kernel.silu_mul(lib, gu), F.silu(gate) * up
-        assert (fused != chain).float().mean() < 1e-2
-        torch.testing.assert_close(fused, chain, rtol=1e-2, atol=1e-3)
+        assert torch.equal(cpu_kernel.silu_mul(lib, gu), F.silu(gate) * up)
 
 
 def test_a_bf16_step_with_fused_ops_gives_the_op_chains_logits() -> None:
