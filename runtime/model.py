@@ -16,6 +16,7 @@ BLENDSERVE_FUSED_OPS=0 keeps the chains.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -110,7 +111,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def fused_cpu_ops(device: torch.device, dtype: torch.dtype) -> Any:
+def fused_cpu_ops(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None:
     """The CPU kernel library whose fused bf16 elementwise ops the layers use, or None (another
     device or dtype, no compiler, or BLENDSERVE_FUSED_OPS=0). A 64-row decode step had ~12 ms of
     such op chains beside ~30 ms of GEMMs on a 2-core EPYC."""

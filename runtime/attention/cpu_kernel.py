@@ -154,11 +154,11 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 # The layer's elementwise ops in bf16 (paged_decode.c's last section): one pass each instead of
-# a chain of torch ops, the same roundings. Inputs bf16 with unit stride along their last dim.
+# a chain of torch ops, rounding where the chain rounds (the norm sums in its own order).
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """x [rows, …] as (x, its row stride), copied when its rows are not evenly strided."""
-    if x.stride(-1) != 1 or (x.dim() > 2 and not x[0].is_contiguous()):
+    """x [rows, …] as (x, its row stride), copied unless each row is contiguous."""
+    if x.stride(-1) != 1 or (x.dim() > 2 and len(x) and not x[0].is_contiguous()):
         x = x.contiguous()
     return x, x.stride(0)
 
