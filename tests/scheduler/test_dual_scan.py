@@ -569,6 +569,26 @@ def test_once_memory_leads_the_compute_side_takes_memory_heavy_requests_longest_
     assert lengths == sorted(lengths, reverse=True)
 
 
+def test_without_overlap_the_kv_peak_counts_the_tokens_decoded_since_the_last_report():
+    from tests.scheduler.factories import toy_cost
+
+    # A (100 + 400 tokens) last reported 1 token, 100 steps ago: it holds 201 now and 500 in
+    # 299 steps. B (100 + 300) would finish a step after it: together 899 at the peak, past
+    # 850. Taken as reported, A would peak at 800 with B, and B would start, to be preempted.
+    a, b = make_request(100, 400), make_request(100, 300, seed=9)
+    pol = _policy([a, b], capacity=850, cost=toy_cost())
+    assert not pol.blending and [r.id for r in pol.admit(make_budget(850, free=150))] == [a.id]
+    pol.on_progress(a.id, 1)
+    for _ in range(100):
+        pol.prefill_budget(make_budget(850, running=1))
+    assert pol.admit(make_budget(850, free=649, running=1)) == []
+    pol.on_progress(a.id, 101)  # the report catches up: the same answer
+    assert pol.admit(make_budget(850, free=649, running=1)) == []
+    for _ in range(299):
+        pol.prefill_budget(make_budget(850, running=1))
+    assert [r.id for r in pol.admit(make_budget(850, free=350, running=1))] == [b.id]
+
+
 def test_without_overlap_blend_admits_what_fits_at_the_kv_peak_not_on_average():
     from tests.scheduler.factories import toy_cost
 

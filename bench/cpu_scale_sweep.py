@@ -1,0 +1,108 @@
+"""Where could blend lose on this CPU? The CPU workloads at larger scales, in the simulator.
+
+bench/cpu_policies.py runs the three workloads of bench/cpu_workloads.py for real, one size each;
+they fit in the KV cache at once, so every order that runs the fewest steps ties. This replays
+them at `--scales` times their request count (chat-templated prompt ids, as the engine sees
+them) through the simulator with this machine's measured device profile and its KV capacity,
+blend at the default step cap against fcfs and dfs at each of `--caps`: the step model's
+seconds, noise-free, where the KV binds. Requests with ignore_eos run to max_tokens; the others'
+lengths are drawn per `--lengths`: `uniform` (max_tokens/3 to max_tokens), `bimodal` (half stop
+within 30 tokens, half run to max_tokens) or `max`.
+
+    python bench/cpu_scale_sweep.py                                  # scales 1,4,16, seeds 0,1
+    python bench/cpu_scale_sweep.py --scales 8 --lengths bimodal --workloads low_sharing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+from bench import cpu_workloads
+from bench.cpu_policies import workload_prompts
+from scheduler.simulate.__main__ import cost_model
+from scheduler.simulate.run import RunConfig, run_trace
+from scheduler.simulate.trace import read_trace
+
+LENGTHS = ("uniform", "bimodal", "max")
+
+
+def output_len(prompt: dict[str, Any], lengths: str, rng: random.Random) -> int:
+    """The length a request of the workload runs to in the replay."""
+    cap = int(prompt["max_tokens"])
+    if prompt["ignore_eos"] or lengths == "max":
+        return cap
+    if lengths == "bimodal":
+        return min(cap, rng.randint(5, 30)) if rng.random() < 0.5 else cap
+    return rng.randint(max(1, cap // 3), cap)
+
+
+def write_trace(name: str, scale: int, seed: int, lengths: str, folder: Path) -> Path:
+    """The workload at `scale` as a simulator trace (its lengths drawn with `seed`)."""
+    inp = cpu_workloads.write(folder / f"{name}-x{scale}-s{seed}", seed, scale)[name]
+    rng = random.Random(seed)
+    trace = folder / f"{name}-x{scale}-s{seed}.trace.jsonl"
+    with trace.open("w") as f:
+        for p in workload_prompts(inp):
+            f.write(json.dumps({**p, "output_len": output_len(p, lengths, rng)}) + "\n")
+    return trace
+
+
+def replay(trace: Path, hardware: str, caps: list[int]) -> dict[str, Any]:
+    """blend at the default cap and fcfs/dfs at each cap: seconds, steps, preemptions."""
+    cost = cost_model(hardware)
+    entries = read_trace(trace)
+    runs = {}
+    for policy, cap in [("blend", cost.hardware.default_step_tokens),
+                        *[(p, c) for p in ("fcfs", "dfs") for c in caps]]:
+        fields, result = run_trace(entries, cost, RunConfig(policy, cost.kv_capacity_tokens,
+                                                            max_step_tokens=cap))
+        runs[f"{policy}@{cap}"] = {"seconds": fields["makespan_s"], "steps": result.steps,
+                                   "preemptions": result.preemptions}
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hardware", type=Path, default=None,
+                    help="device profile JSON (default: the one `blendserve profile` cached)")
+    ap.add_argument("--workloads", default=",".join(cpu_workloads.WORKLOADS))
+    ap.add_argument("--scales", default="1,4,16")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--caps", default="512,2048,8192", help="step caps of fcfs and dfs")
+    ap.add_argument("--lengths", choices=LENGTHS, default="uniform")
+    args = ap.parse_args(argv)
+    hardware = args.hardware or next(iter(sorted((ROOT / "data" / "profiles").glob("*.json"))), None)
+    if hardware is None:
+        ap.error("no device profile: run `blendserve profile` first or pass --hardware")
+    caps = [int(c) for c in args.caps.split(",")]
+    print(f"profile {hardware}, lengths {args.lengths}\n")
+    print("| workload | scale | seed | blend s (steps, preempted) | best baseline | its s (steps) "
+          "| best / blend |\n|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.workloads.split(","):
+            for scale in (int(s) for s in args.scales.split(",")):
+                for seed in (int(s) for s in args.seeds.split(",")):
+                    runs = replay(write_trace(name, scale, seed, args.lengths, Path(tmp)),
+                                  str(hardware), caps)
+                    blend = next(v for k, v in runs.items() if k.startswith("blend@"))
+                    best = min((k for k in runs if not k.startswith("blend@")),
+                               key=lambda k: runs[k]["seconds"])
+                    b = runs[best]
+                    print(f"| {name} | {scale} | {seed} | {blend['seconds']:.1f} ({blend['steps']}, "
+                          f"{blend['preemptions']}) | {best} | {b['seconds']:.1f} ({b['steps']}) | "
+                          f"{b['seconds'] / blend['seconds']:.3f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
