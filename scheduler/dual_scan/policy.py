@@ -556,7 +556,8 @@ class BlendPolicy:
         (_admit_in_order) counts only its unshared prompt. Progress is reported now and then
         (at 1, 2, 4, … tokens); `caught_up` counts a token a step since for each decoding
         request, up to its estimate: taken as reported, each curve runs late by its lag, and
-        curves lagging by different amounts miss the peak they make together."""
+        curves lagging by different amounts miss the peak they make together. (A preempted
+        request recomputing is counted as decoding on: the policy is not told.)"""
         rows = list(self._run.items())
         col = CRIT if overruns else EST
         lag = ((lambda i: max(self._steps - self._reported.get(i, self._steps), 0)) if caught_up
