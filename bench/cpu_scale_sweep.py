@@ -46,11 +46,10 @@ def output_len(prompt: dict[str, Any], lengths: str, rng: random.Random) -> int:
     return rng.randint(max(1, cap // 3), cap)
 
 
-def write_trace(name: str, scale: int, seed: int, lengths: str, folder: Path) -> Path:
-    """The workload at `scale` as a simulator trace (its lengths drawn with `seed`)."""
-    inp = cpu_workloads.write(folder / f"{name}-x{scale}-s{seed}", seed, scale)[name]
+def write_trace(inp: Path, seed: int, lengths: str) -> Path:
+    """Workload file `inp` as a simulator trace beside it (its lengths drawn with `seed`)."""
     rng = random.Random(seed)
-    trace = folder / f"{name}-x{scale}-s{seed}.trace.jsonl"
+    trace = inp.with_suffix(".trace.jsonl")
     with trace.open("w") as f:
         for p in workload_prompts(inp):
             f.write(json.dumps({**p, "output_len": output_len(p, lengths, rng)}) + "\n")
@@ -89,11 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| workload | scale | seed | blend s (steps, preempted) | best baseline | its s (steps) "
           "| best / blend |\n|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
+        traces = {}
+        for scale in (int(s) for s in args.scales.split(",")):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                files = cpu_workloads.write(Path(tmp) / f"x{scale}-s{seed}", seed, scale)
+                for name in args.workloads.split(","):
+                    traces[name, scale, seed] = write_trace(files[name], seed, args.lengths)
         for name in args.workloads.split(","):
             for scale in (int(s) for s in args.scales.split(",")):
                 for seed in (int(s) for s in args.seeds.split(",")):
-                    runs = replay(write_trace(name, scale, seed, args.lengths, Path(tmp)),
-                                  str(hardware), caps)
+                    runs = replay(traces[name, scale, seed], str(hardware), caps)
                     blend = next(v for k, v in runs.items() if k.startswith("blend@"))
                     best = min((k for k in runs if not k.startswith("blend@")),
                                key=lambda k: runs[k]["seconds"])

@@ -86,11 +86,11 @@ class Sampler:
         take the max in the logits' dtype (exact: widening changes no value); draws, penalties
         and logprobs work on a float32 copy."""
         r = logits.shape[0]
-        if any(s.generator is not None or s.params.logprobs for s in states):
-            logits = logits.float()
         if any(s.params.presence_penalty or s.params.frequency_penalty for s in states):
-            logits = logits.to(torch.float32, copy=True)
+            logits = logits.to(torch.float32, copy=True)  # penalised in place: a copy
             _apply_penalties(logits, states)
+        elif any(s.generator is not None or s.params.logprobs for s in states):
+            logits = logits.float()
         tokens = [0] * r
         greedy = [i for i, s in enumerate(states) if s.generator is None]
         rand = [i for i, s in enumerate(states) if s.generator is not None]

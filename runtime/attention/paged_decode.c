@@ -52,11 +52,10 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
     return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
 }
 
-/* exp(x) for x <= 0 as 2^n · 2^f, 2^f by its Taylor polynomial of degree 6 (relative error
- * < 1e-5): plain arithmetic, so that loops over it vectorise (libm's expf does not). */
-static inline float exp_nonpos(float x) {
-    float t = (x < -87.f ? -87.f : x) * 1.44269504f;
-    float n = floorf(t), f = t - n;
+/* 2^(n + f) for an integer n and |f| < 1: 2^f by its Taylor polynomial of degree 6 (relative
+ * error < 1e-5 on [0, 1), ~1e-7 on [-1/2, 1/2]); plain arithmetic, so that loops over it
+ * vectorise (libm's expf does not). */
+static inline float exp2_split(float n, float f) {
     float p = 1.5403530e-4f;
     p = p * f + 1.3333558e-3f;
     p = p * f + 9.6181291e-3f;
@@ -66,6 +65,13 @@ static inline float exp_nonpos(float x) {
     p = p * f + 1.f;
     union { int32_t i; float f; } two_n = { ((int32_t)n + 127) << 23 };
     return p * two_n.f;
+}
+
+/* exp(x) for x <= 0, f in [0, 1): enough for a softmax. */
+static inline float exp_nonpos(float x) {
+    float t = (x < -87.f ? -87.f : x) * 1.44269504f;
+    float n = floorf(t);
+    return exp2_split(n, t - n);
 }
 
 static void load_row(const void *src, size_t off, int bf16, int n, float *dst, float scale) {
@@ -758,20 +764,11 @@ int paged_prefill(const void *q, const int32_t *q_start, const int32_t *kv_lens,
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* exp(x) for |x| <= 87 to about an ulp: 2^n · 2^f with f in [-1/2, 1/2] (exp_nonpos takes
- * f in [0, 1), 1e-5, enough for a softmax but not to round SiLU as torch's exp does). */
+/* exp(x) for |x| <= 87 to about an ulp, f in [-1/2, 1/2]: SiLU rounds as torch's exp does. */
 static inline float exp_ulp(float x) {
     float t = fminf(fmaxf(x, -87.f), 87.f) * 1.44269504f;
-    float n = rintf(t), f = t - n;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.f;
-    union { int32_t i; float f; } two_n = { ((int32_t)n + 127) << 23 };
-    return p * two_n.f;
+    float n = rintf(t);
+    return exp2_split(n, t - n);
 }
 
 /* out [rows, n] = w · bf16(x / rms(x)), normalised in fp32 (as transformers' LlamaRMSNorm);

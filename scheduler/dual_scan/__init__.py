@@ -35,8 +35,9 @@ depend on the device's overlap (CostModel.overlap):
   still need (overruns allowed for) and the steps the remaining KV reads need at full capacity;
   where KV is short, reading less than it holds only adds steps, so a memory-heavy request
   skips that check, and estimated lengths may take the KV peak 10% past the capacity (they are
-  means: a request preempted when the peak comes true recomputes on idle compute). Warm-up filler of unknown length counts as decoding twice the warm-up's
-  steps, and the plan raises a running request's estimate to its subtree's. While
+  means: a request preempted when the peak comes true recomputes on idle compute). Warm-up
+  filler of unknown length counts as decoding twice the warm-up's steps, and the plan raises a
+  running request's estimate to its subtree's. While
   samples censored at the deadline still run, their subtrees' memory work is a lower bound:
   compute leads only past r_mem times the overrun factor. Their own estimates (twice what they
   have run) already treat them as halfway, so the KV peak counts every running request at its
