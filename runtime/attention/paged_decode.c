@@ -766,7 +766,8 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* exp(x) for |x| <= 87 to about an ulp, f in [-1/2, 1/2]: SiLU rounds as torch's exp does. */
 static inline float exp_ulp(float x) {
-    float t = fminf(fmaxf(x, -87.f), 87.f) * 1.44269504f;
+    x = x < -87.f ? -87.f : x > 87.f ? 87.f : x; /* not fminf/fmaxf: those do not vectorise */
+    float t = x * 1.44269504f;
     float n = rintf(t);
     return exp2_split(n, t - n);
 }

@@ -117,8 +117,9 @@ def test_cancelling_one_batch_of_a_shared_run_leaves_the_others_intact(
     def cancel_when_running() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            if batch_row(db, victim).status != "in_progress":
-                if batch_row(db, victim).status != "validating":
+            status = batch_row(db, victim).status  # read once: it may change between two reads
+            if status != "in_progress":
+                if status != "validating":
                     return  # ended before anything joined: the assertions say so
             elif batch_row(db, others[0]).status != "validating":  # it joined the run
                 time.sleep(0.3)
