@@ -14,9 +14,9 @@ while the run ran (runtime/host_load.py): a run past 5% was slowed by it, often 
 that share, and so was a profile measured under load (the table says so under it).
 
 The prediction is the simulator CLI itself: the workload becomes a trace per run (prompt token
-ids with the chat template applied, the output lengths that run produced: where the model's EOS
-ends a request, runs that batch it differently produce different lengths, since greedy decoding
-in bfloat16 is not batch-invariant) and
+ids with the chat template applied, the output lengths that run produced: the engine is
+batch-invariant on a CPU, so every run of a workload generates the same tokens unless a
+preemption's recompute rounds one differently) and
 `python -m scheduler.simulate TRACE --hardware PROFILE --policy P --max-step-tokens N --kv-tokens K`
 replays it.
 
@@ -217,7 +217,7 @@ def print_table(name: str, runs: list[dict[str, Any]]) -> None:
           f"each run took (no timing noise): {model_best['step_model_seconds'] / blend['step_model_seconds']:.3f}x "
           f"the best ({model_best['label']})")
     outputs = [r["output_tokens"] for r in runs]
-    if min(outputs) != max(outputs):  # the model's EOS, batched differently (write_trace)
+    if min(outputs) != max(outputs):  # a recompute after preemption rounded differently
         fastest = max(base, key=lambda r: r["output_tokens_per_s"])
         print(f"\noutput tokens differ between runs ({min(outputs)}-{max(outputs)}), so wall "
               f"times compare different work: by output tokens/s, blend is "

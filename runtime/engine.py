@@ -521,8 +521,10 @@ class Engine:
             prefill_left -= chunk
         if not batch and starved:  # pages all held by half-prefilled sequences: make room
             self._preempt(max(running, key=lambda s: s.order), waiting, running)
-        # the attention backend wants single-token sequences first
-        batch.sort(key=lambda e: e[1] != 1)
+        # the attention backend wants the decodes first; a prompt's one-token chunk is a prefill
+        # (the decode kernel splits a long context and merges the parts, the prefill kernel does
+        # not: that token would come out a rounding apart from where it is part of a longer chunk)
+        batch.sort(key=lambda e: not _decodes(*e))
         return batch
 
     def _prompt_fits(self, seq: _Seq, cached: list[int], node: RadixNode, growing: int) -> bool:
@@ -622,7 +624,7 @@ class Engine:
             pos.extend(range(s.computed, s.computed + n))
             if s.computed + n == len(s.tokens):
                 rows.append(len(ids) - 1)
-        num_decode = sum(1 for _, n in batch if n == 1)
+        num_decode = sum(1 for e in batch if _decodes(*e))
         ab = AttentionBatch(
             q_lens=[n for _, n in batch], kv_lens=[s.computed + n for s, n in batch],
             page_tables=[s.pages for s, _ in batch], num_decode=num_decode)
@@ -659,7 +661,7 @@ class Engine:
         sample: list[_Seq] = []
         prefill = decode = 0
         for s, n in batch:
-            if s.generated > 0 and n == 1:
+            if _decodes(s, n):
                 decode += 1
             else:
                 prefill += n
@@ -759,6 +761,11 @@ def _by_level(arrivals: list[tuple[EngineRequest, int]]) -> dict[int, list[Engin
     return levels
 
 
+def _decodes(s: _Seq, n: int) -> bool:
+    """Whether `s` feeds its one newest generated token this step (else it prefills a chunk)."""
+    return n == 1 and s.generated > 0
+
+
 def _step_shape(batch: list[tuple[_Seq, int]]) -> tuple[int, int, int, int, int]:
     """(tokens, rows, prefill attention pairs, decode KV read, decodes) of a scheduled batch."""
     tokens = rows = pairs = kv = decodes = 0
@@ -766,7 +773,7 @@ def _step_shape(batch: list[tuple[_Seq, int]]) -> tuple[int, int, int, int, int]
         tokens += n
         if s.computed + n == len(s.tokens):
             rows += 1
-        if n == 1 and s.generated > 0:
+        if _decodes(s, n):
             decodes += 1
             kv += s.computed + 1
         else:

@@ -43,6 +43,8 @@ Linear = Callable[..., torch.Tensor]  # (x [T, in], weight, bias=None) -> [T, ou
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    if len(x) == 1:  # oneDNN's one-row kernel sums in another order: see the module docstring
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), weight, bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

@@ -22,14 +22,15 @@ from runtime.kv_cache import PagedKVPool
 class AttentionBatch:
     """One step's sequences in flat-batch order.
 
-    Invariant: sequences with q_len == 1 (decodes) come first, then the prefill chunks, and the
-    flat token batch holds each sequence's new tokens contiguously in that same order.
+    Invariant: the decodes (q_len == 1) come first, then the prefill chunks (a prompt's last
+    token may be a chunk of one), and the flat token batch holds each sequence's new tokens
+    contiguously in that same order.
     """
 
     q_lens: Sequence[int]  # new tokens of each sequence this step
     kv_lens: Sequence[int]  # context length after this step (cached + new), >= q_len
     page_tables: Sequence[Sequence[int]]  # pages holding each sequence's context, in order
-    num_decode: int  # how many leading sequences have q_len == 1
+    num_decode: int  # how many leading sequences decode (q_len == 1)
 
 
 class AttentionBackend(ABC):

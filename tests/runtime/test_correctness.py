@@ -139,3 +139,32 @@ def test_smollm2_stops_at_eos_like_transformers(smollm: tuple[torch.nn.Module, L
     cut = next(i for i, t in enumerate(ref) if t in eos)  # "The capital of France is Paris."
     assert list(choice.token_ids) == ref[:cut] and choice.finish_reason == "stop"
     assert choice.text == model.tokenizer.decode(ref[:cut])
+
+
+def test_greedy_outputs_do_not_depend_on_what_else_runs_in_the_step(
+    default_model: LoadedModel,
+) -> None:
+    """In the engine's own dtype (bfloat16 here) a request's tokens and logprobs come out the
+    same alone, batched with others, and under another step cap: one-row GEMMs take the many-row
+    kernel's summation order, and a prompt's one-token chunk (a duplicate whose cached pages
+    leave one token, at 273 ≡ 1 mod 16) is attended as a prefill, not by the decode kernel."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [273, 40, 300, 7, 520]
+    ps = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lengths]
+    ps.append(list(ps[0]))  # its pages cached by the time it starts: one token left to compute
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
+    reqs = [EngineRequest(f"r{i}", p, params) for i, p in enumerate(ps)]
+
+    def outputs(cap: int, batches: list[list[EngineRequest]]) -> dict[str, list[tuple[int, float]]]:
+        engine = Engine(default_model, EngineConfig(max_batch_tokens=cap, kv_memory_bytes=64 << 20))
+        out: dict[str, list[tuple[int, float]]] = {}
+        for batch in batches:
+            for rid, o in run(engine, batch).items():
+                out[rid] = [(t.token_id, t.logprob) for t in o.choices[0].logprobs or ()]
+        assert_no_leaks(engine)
+        return out
+
+    alone = outputs(8192, [[r] for r in reqs])
+    assert alone["r5"] == alone["r0"]  # the same prompt, its last token alone or in the chunk
+    assert outputs(8192, [reqs]) == alone
+    assert outputs(48, [reqs]) == alone  # chunked prompts, decodes mixed with prefill chunks
