@@ -303,21 +303,25 @@ static void attend_head_generic(const float *qf, int rows, const int *row_end, i
 
 #ifdef __AVX512BF16__
 #define TILE 16 /* tokens per tile of the bf16 path: one zmm lane each */
-#define PREFETCH_TILES 2 /* how far ahead the bf16 path asks for K and V (fastest of 1-4) */
+#define PREFETCH_TILES 1 /* how far ahead the bf16 path asks for K and V (fastest of 1-4) */
 
-/* Ask for head h's K and V (bf16) of tokens [t, t_end) of one sequence to be brought into L1
+/* Ask for head h's K and V (bf16) of tokens [t, t_end) of one sequence to be brought into L2
  * ahead of their use. Decode attention is a stream of reads scattered over pages that the
  * hardware prefetcher does not follow from one page to the next: without this a core waits on
  * DRAM at every tile (bf16 decode attention ran at 14 GB/s, with it 25, on a 2-core EPYC whose
- * stream read is 40). The fp32 path is compute-bound here: prefetching gained it nothing. */
+ * stream read is 40). Into L2 (prefetcht1), not L1: a tile ahead is 64 lines, more than the
+ * L1's outstanding misses, and an L1 prefetch that waits for one stalls the loads behind it;
+ * decode steps between GEMMs, whose weights leave nothing of the KV in cache, took 0.6-0.8x
+ * the time of L1 prefetches 2 tiles ahead (64-128 rows over 300-2,048 tokens, 2-core EPYC,
+ * 2026-12-04). The fp32 path is compute-bound here: prefetching gained it nothing. */
 static inline void prefetch_kv(const uint16_t *k_cache, const uint16_t *v_cache,
                                const int32_t *pages, int t, int t_end, int ps, int kvh, int hd,
                                int h) {
     for (; t < t_end; t++) {
         size_t o = (((size_t)pages[t / ps] * ps + t % ps) * kvh + h) * hd;
         for (int b = 0; b < hd; b += 32) { /* 32 bf16: one 64-byte line */
-            __builtin_prefetch(k_cache + o + b, 0, 3);
-            __builtin_prefetch(v_cache + o + b, 0, 3);
+            __builtin_prefetch(k_cache + o + b, 0, 2);
+            __builtin_prefetch(v_cache + o + b, 0, 2);
         }
     }
 }
