@@ -762,7 +762,8 @@ def _by_level(arrivals: list[tuple[EngineRequest, int]]) -> dict[int, list[Engin
 
 
 def _decodes(s: _Seq, n: int) -> bool:
-    """Whether `s` feeds its one newest generated token this step (else it prefills a chunk)."""
+    """Whether `s` runs as a decode this step: one token, past its prompt (a recompute's
+    one-token chunk too, attended alike); else it prefills a chunk, however short."""
     return n == 1 and s.generated > 0
 
 

@@ -8,7 +8,10 @@ outputs match `generate` token for token in the same dtype.
 On a CPU the GEMM weights are reordered once at load into oneDNN's blocked layout and run through
 its prepacked linear (`pack_cpu_weights`): on a 2-core EPYC the layers' GEMMs of a step took
 1.6-2.2x less time than `F.linear` on the plain tensors in bf16 at 1-64 rows, 1.2x at 512-2048
-(2.3-3.5x in fp32). BLENDSERVE_PACKED_WEIGHTS=0 keeps the plain tensors. In bf16 the
+(2.3-3.5x in fp32). BLENDSERVE_PACKED_WEIGHTS=0 keeps the plain tensors. A one-row input runs
+as two rows: oneDNN's one-row kernel sums a row in another order than its many-row kernels (a
+1,536-wide down projection came out ~2e-4 of elements a rounding apart), which made a request's
+greedy tokens depend on what else ran in its steps (runtime/README.md: batch-invariant). In bf16 the
 RMSNorms, RoPE and SiLU·up run as one C pass each (cpu_kernel's elementwise ops, rounding where
 the torch op chains they replace round; the norm sums in its own order, see paged_decode.c);
 BLENDSERVE_FUSED_OPS=0 keeps the chains.
@@ -43,7 +46,7 @@ Linear = Callable[..., torch.Tensor]  # (x [T, in], weight, bias=None) -> [T, ou
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    if len(x) == 1:  # oneDNN's one-row kernel sums in another order: see the module docstring
+    if len(x) == 1:  # oneDNN's one-row kernel sums in another order (module docstring)
         return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), weight, bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 

@@ -309,11 +309,12 @@ static void attend_head_generic(const float *qf, int rows, const int *row_end, i
  * ahead of their use. Decode attention is a stream of reads scattered over pages that the
  * hardware prefetcher does not follow from one page to the next: without this a core waits on
  * DRAM at every tile (bf16 decode attention ran at 14 GB/s, with it 25, on a 2-core EPYC whose
- * stream read is 40). Into L2 (prefetcht1), not L1: a tile ahead is 64 lines, more than the
- * L1's outstanding misses, and an L1 prefetch that waits for one stalls the loads behind it;
- * decode steps between GEMMs, whose weights leave nothing of the KV in cache, took 0.6-0.8x
- * the time of L1 prefetches 2 tiles ahead (64-128 rows over 300-2,048 tokens, 2-core EPYC,
- * 2026-12-04). The fp32 path is compute-bound here: prefetching gained it nothing. */
+ * stream read is 40). Into L2 (prefetcht1), one tile ahead: whole decode steps, whose GEMMs
+ * leave no KV in cache, took 0.64-0.80x the time of L1 prefetches two tiles ahead (16-128
+ * decodes over 300-2,048 tokens, 2-core EPYC, 2026-12-04; L2 two tiles ahead 1.04-1.07x this,
+ * L1 one tile ahead no better than two). Likely cause: a tile is 64 lines, more than the L1
+ * can have outstanding, and L1 prefetches that wait for a free slot hold up the loads behind
+ * them. The fp32 path is compute-bound here: prefetching gained it nothing. */
 static inline void prefetch_kv(const uint16_t *k_cache, const uint16_t *v_cache,
                                const int32_t *pages, int t, int t_end, int ps, int kvh, int hd,
                                int h) {
