@@ -56,17 +56,18 @@ def write_trace(inp: Path, seed: int, lengths: str) -> Path:
     return trace
 
 
-def replay(trace: Path, hardware: str, caps: list[int]) -> dict[str, Any]:
-    """blend at the default cap and fcfs/dfs at each cap: seconds, steps, preemptions."""
+def replay(trace: Path, hardware: str, caps: list[int]) -> dict[str, dict[str, Any]]:
+    """"blend" at the default cap and "fcfs@cap" / "dfs@cap" at each cap: seconds, steps,
+    preemptions."""
     cost = cost_model(hardware)
     entries = read_trace(trace)
     runs = {}
-    for policy, cap in [("blend", cost.hardware.default_step_tokens),
-                        *[(p, c) for p in ("fcfs", "dfs") for c in caps]]:
+    for name, policy, cap in [("blend", "blend", cost.hardware.default_step_tokens),
+                              *[(f"{p}@{c}", p, c) for p in ("fcfs", "dfs") for c in caps]]:
         fields, result = run_trace(entries, cost, RunConfig(policy, cost.kv_capacity_tokens,
                                                             max_step_tokens=cap))
-        runs[f"{policy}@{cap}"] = {"seconds": fields["makespan_s"], "steps": result.steps,
-                                   "preemptions": result.preemptions}
+        runs[name] = {"seconds": fields["makespan_s"], "steps": result.steps,
+                      "preemptions": result.preemptions}
     return runs
 
 
@@ -84,23 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     if hardware is None:
         ap.error("no device profile: run `blendserve profile` first or pass --hardware")
     caps = [int(c) for c in args.caps.split(",")]
+    workloads = args.workloads.split(",")
+    scales = [int(s) for s in args.scales.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
     print(f"profile {hardware}, lengths {args.lengths}\n")
     print("| workload | scale | seed | blend s (steps, preempted) | best baseline | its s (steps) "
           "| best / blend |\n|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         traces = {}
-        for scale in (int(s) for s in args.scales.split(",")):
-            for seed in (int(s) for s in args.seeds.split(",")):
+        for scale in scales:
+            for seed in seeds:
                 files = cpu_workloads.write(Path(tmp) / f"x{scale}-s{seed}", seed, scale)
-                for name in args.workloads.split(","):
+                for name in workloads:
                     traces[name, scale, seed] = write_trace(files[name], seed, args.lengths)
-        for name in args.workloads.split(","):
-            for scale in (int(s) for s in args.scales.split(",")):
-                for seed in (int(s) for s in args.seeds.split(",")):
+        for name in workloads:
+            for scale in scales:
+                for seed in seeds:
                     runs = replay(traces[name, scale, seed], str(hardware), caps)
-                    blend = next(v for k, v in runs.items() if k.startswith("blend@"))
-                    best = min((k for k in runs if not k.startswith("blend@")),
-                               key=lambda k: runs[k]["seconds"])
+                    blend = runs.pop("blend")
+                    best = min(runs, key=lambda k: runs[k]["seconds"])
                     b = runs[best]
                     print(f"| {name} | {scale} | {seed} | {blend['seconds']:.1f} ({blend['steps']}, "
                           f"{blend['preemptions']}) | {best} | {b['seconds']:.1f} ({b['steps']}) | "

@@ -560,15 +560,16 @@ class BlendPolicy:
         request recomputing is counted as decoding on: the policy is not told.)"""
         rows = list(self._run.items())
         col = CRIT if overruns else EST
-        lag = ((lambda i: max(self._steps - self._reported.get(i, self._steps), 0)) if caught_up
-               else (lambda i: 0))
-        now = np.fromiter((min(row[4] + lag(i), max(row[col] - 1.0, row[4])) if row[4] > 0
-                           else 0.0 for i, row in rows), np.float64, len(rows))
-        held = np.fromiter((self._unshared.get(i, row[2]) for i, row in rows), np.float64,
-                           len(rows)) + now
-        left = np.maximum(np.fromiter((row[col] for _, row in rows), np.float64, len(rows)) - now,
-                          0.0)
-        return KvPeak(held, left)
+        n = len(rows)
+        prompt = np.fromiter((self._unshared.get(i, row[2]) for i, row in rows), np.float64, n)
+        length = np.fromiter((row[col] for _, row in rows), np.float64, n)
+        now = np.fromiter((row[4] for _, row in rows), np.float64, n)  # tokens generated
+        if caught_up:
+            lag = np.fromiter((self._steps - self._reported.get(i, self._steps) for i, _ in rows),
+                              np.float64, n)
+            now = np.where(now > 0, np.minimum(now + np.maximum(lag, 0.0),
+                                               np.maximum(length - 1.0, now)), 0.0)
+        return KvPeak(prompt + now, np.maximum(length - now, 0.0))
 
     def _take(self, pos: int, side: int, need: float) -> PlanRequest:
         assert self._plan is not None
