@@ -73,32 +73,27 @@ def estimate_output_lengths(
     sampled_lens: np.ndarray,
     *,
     prior: float | np.ndarray = DEFAULT_PRIOR,
+    shrink: float | None = None,
 ) -> np.ndarray:
     """[requests] estimated output length (float), known lengths as-is, capped by max_tokens.
 
     `known_lens[i]` < 0 means unknown. Fallbacks per request: the mean of the samples in the
-    nearest ancestor subtree below the root that holds any; else the samples under the root whose
-    prompt lengths are nearest (siblings of similar size); else `prior`.
+    nearest ancestor subtree below the root that holds any, pulled towards its parent's mean as
+    if the parent had `shrink` more samples there (default: `shrink_weight`'s choice; 0 keeps
+    the subtree's own mean); else the samples under the root whose prompt lengths are nearest
+    (siblings of similar size); else `prior`.
     """
     n = tree.num_requests
     sampled = np.asarray(sampled, dtype=np.int64)
     s_lens = np.asarray(sampled_lens, dtype=np.float64)
-    per_req_len = np.zeros(n)
-    per_req_cnt = np.zeros(n)
-    per_req_len[sampled] = s_lens
-    per_req_cnt[sampled] = 1.0
-    cnt = tree.leaf_prefix_sum(per_req_cnt)
-    tot = tree.leaf_prefix_sum(per_req_len)
     est = np.broadcast_to(np.asarray(prior, dtype=np.float64), (n,)).copy()
     if len(sampled):
-        # Climb from every leaf's parent until a node below the root holds a sample.
-        node = tree.parent[tree.leaf_node]
-        active = np.flatnonzero((node > 0) & (cnt[np.maximum(node, 0)] == 0))
-        while len(active):
-            node[active] = tree.parent[node[active]]
-            active = active[(node[active] > 0) & (cnt[node[active]] == 0)]
-        found = node > 0
-        est[found] = tot[node[found]] / cnt[node[found]]
+        cnt, tot = _sample_sums(tree, sampled, s_lens)
+        means = _node_means(tree, cnt, tot, shrink_weight(tree, sampled, s_lens)
+                            if shrink is None else shrink)
+        node_mean = means[tree.parent[tree.leaf_node]]
+        found = ~np.isnan(node_mean)
+        est[found] = node_mean[found]
         rest = np.flatnonzero(~found)
         if len(rest):
             est[rest] = _nearest_by_length(tree.prompt_lens, sampled, s_lens, rest)
@@ -107,6 +102,85 @@ def estimate_output_lengths(
     est = np.minimum(est, np.asarray(max_tokens, dtype=np.float64))
     est[known] = np.asarray(known_lens, dtype=np.float64)[known]
     return np.maximum(est, 1.0)
+
+
+# Shrinkage weights tried (in samples of the parent's mean): 0 is each subtree's own mean, inf
+# its top-level subtree's (family's) mean. The choice looks at most SHRINK_SAMPLES samples and
+# SHRINK_LEVELS ancestors of each (a chain of prompts that are prefixes of one another is as deep
+# as it is long); deeper ones count as top-level.
+SHRINK_GRID = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, math.inf)
+SHRINK_SAMPLES = DEFAULT_CAP
+SHRINK_LEVELS = 32
+
+
+def _sample_sums(tree: PrefixTree, sampled: np.ndarray, lens: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """([nodes] samples in each subtree, [nodes] their summed lengths)."""
+    per_len = np.zeros(tree.num_requests)
+    per_cnt = np.zeros(tree.num_requests)
+    per_len[sampled] = lens
+    per_cnt[sampled] = 1.0
+    return tree.leaf_prefix_sum(per_cnt), tree.leaf_prefix_sum(per_len)
+
+
+def _shrunk(tot: float, cnt: float, up: float, k: float) -> float:
+    """A subtree's mean, its `cnt` samples (summing to `tot`) pulled towards its parent's mean
+    `up` as if the parent had `k` more samples there; nan when neither says anything."""
+    if cnt <= 0:
+        return up
+    if math.isnan(up) or k == 0.0:  # no parent estimate (a top-level subtree): its own mean
+        return tot / cnt
+    return up if math.isinf(k) else (tot + k * up) / (cnt + k)
+
+
+def _node_means(tree: PrefixTree, cnt: np.ndarray, tot: np.ndarray, k: float) -> np.ndarray:
+    """[nodes] each subtree's shrunk mean (nan where no ancestor below the root has a sample);
+    nodes are in preorder, so a parent's mean is ready before its children's."""
+    parent, c, t = tree.parent.tolist(), cnt.tolist(), tot.tolist()
+    out = [math.nan] * tree.num_nodes
+    for v in range(1, tree.num_nodes):
+        p = parent[v]
+        out[v] = _shrunk(t[v], c[v], out[p] if p > 0 else math.nan, k)
+    return np.array(out)
+
+
+def shrink_weight(tree: PrefixTree, sampled: np.ndarray, lens: np.ndarray,
+                  grid: Sequence[float] = SHRINK_GRID) -> float:
+    """How far a subtree's few samples are pulled towards their parent's mean: the weight of
+    SHRINK_GRID whose leave-one-out estimates of the samples err least (squared log error).
+    A few-shot group whose outputs are set by its task keeps its own mean (small weight);
+    requests of one family whose lengths vary more within a group than between groups take
+    the family's (a single sample says little about its neighbours)."""
+    sampled = np.asarray(sampled, dtype=np.int64)
+    lens = np.asarray(lens, dtype=np.float64)
+    if len(sampled) < 3:
+        return 0.0
+    cnt, tot = _sample_sums(tree, sampled, lens)
+    if len(sampled) > SHRINK_SAMPLES:  # evenly spaced, in the order given
+        pick = np.linspace(0, len(sampled) - 1, SHRINK_SAMPLES).astype(np.int64)
+        sampled, lens = sampled[pick], lens[pick]
+    parent = tree.parent
+    chains = []
+    for r, x in zip(tree.leaf_node[sampled].tolist(), lens.tolist()):
+        chain: list[int] = []
+        v = int(parent[r])
+        while v > 0 and len(chain) < SHRINK_LEVELS:
+            chain.append(v)
+            v = int(parent[v])
+        chains.append((chain[::-1], x))
+    best, best_err = 0.0, math.inf
+    for k in grid:
+        err, seen = 0.0, 0
+        for chain, x in chains:
+            m = math.nan
+            for v in chain:
+                m = _shrunk(tot[v] - x, cnt[v] - 1.0, m, k)
+            if m > 0:  # False for nan: no estimate
+                err += (math.log(max(x, 1.0)) - math.log(m)) ** 2
+                seen += 1
+        if seen and err < best_err * (1.0 - 1e-9):
+            best, best_err = k, err
+    return best
 
 
 def length_groups(requests: Sequence[PlanRequest]) -> tuple[np.ndarray, np.ndarray]:
@@ -204,12 +278,7 @@ def corrected_estimate(estimate: float, generated: int, max_tokens: int) -> floa
 
 def _leave_one_out(tree: PrefixTree, sampled: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """[samples] each sample's estimate from the other samples of its nearest shared subtree."""
-    per_len = np.zeros(tree.num_requests)
-    per_cnt = np.zeros(tree.num_requests)
-    per_len[sampled] = lens
-    per_cnt[sampled] = 1.0
-    cnt = tree.leaf_prefix_sum(per_cnt)
-    tot = tree.leaf_prefix_sum(per_len)
+    cnt, tot = _sample_sums(tree, sampled, lens)
     node = tree.parent[tree.leaf_node[sampled]]
     active = np.flatnonzero(cnt[node] < 2)
     while len(active):

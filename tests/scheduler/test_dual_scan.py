@@ -13,6 +13,8 @@ from scheduler.dual_scan import (
 )
 from scheduler.dual_scan.policy import CRIT, KV_SHORT_OVERCOMMIT
 from scheduler.prefix_tree import PrefixTree
+from scheduler.simulate.executor import SimConfig, simulate
+from scheduler.simulate.trace import TraceEntry
 from scheduler.split import DEFAULT_KEEP_SHARING
 from scheduler.types import PlanRequest
 from tests.scheduler.factories import h200_8b, make_budget, make_request
@@ -602,3 +604,66 @@ def test_without_overlap_blend_admits_what_fits_at_the_kv_peak_not_on_average():
     shared = [make_request(1000, 3000, prefix=[9] * 900) for _ in range(3)]
     pol = _policy(shared, capacity=7_200, cost=toy_cost())
     assert len(pol.admit(make_budget(7_200))) == 2  # 1,000 + 100 + 2 × 3,000
+
+
+class _PlanLog:
+    """Forwards the AdmissionPolicy calls, noting the mean estimate of each new plan."""
+
+    def __init__(self, inner: BlendPolicy) -> None:
+        self.inner, self.means, self._last = inner, [], None
+
+    def _note(self) -> None:
+        plan = self.inner.plan
+        if plan is not None and plan is not self._last and len(plan):
+            self._last = plan
+            self.means.append(float(plan.output.mean()))
+
+    def admit(self, budget):
+        out = self.inner.admit(budget)
+        self._note()
+        return out
+
+    def prefill_budget(self, budget):
+        return self.inner.prefill_budget(budget)
+
+    def on_progress(self, request_id, generated):
+        self.inner.on_progress(request_id, generated)
+
+    def on_finish(self, request_id, output_len):
+        self.inner.on_finish(request_id, output_len)
+        self._note()
+
+    def has_pending(self):
+        return self.inner.has_pending()
+
+    def withdraw(self):
+        return self.inner.withdraw()
+
+
+def _plans_of_a_run(lengths, n=600, kv=8_000):
+    """Simulate n requests of one family (too few for a warm-up sample: planned on the prior)
+    whose request i outputs lengths[i % len(lengths)], in a KV that holds ~30 at a time; the
+    mean estimate of every plan."""
+    reqs = [make_request(64, prefix=[5] * 16, max_tokens=1024) for _ in range(n)]
+    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
+    pol = BlendPolicy(reqs, tree=tree, cost_model=h200_8b(), kv_capacity_tokens=kv,
+                      step_tokens=2048)
+    assert not pol.warmup_request_ids
+    log = _PlanLog(pol)
+    entries = [TraceEntry(r, lengths[i % len(lengths)]) for i, r in enumerate(reqs)]
+    simulate(entries, log, h200_8b(), SimConfig(kv, 2048), tree)
+    return log.means
+
+
+def test_the_lengths_the_run_shows_re_plan_what_has_not_started():
+    means = _plans_of_a_run([200])
+    assert means[0] == 256 and len(means) >= 3  # the prior, then the run's lengths
+    assert means[-1] == pytest.approx(200, rel=0.02)
+
+
+def test_the_run_learns_from_old_starts_only_once_they_have_mostly_finished():
+    # The 10-token requests finish first. Counting them with the long ones still running at the
+    # plan's guess fed that guess back: 256, 247, 89, 69, then 332.
+    means = _plans_of_a_run([10, 10, 1000])
+    assert len(means) >= 2 and min(means[1:]) > 300
+    assert means[-1] == pytest.approx(340, rel=0.05)

@@ -8,6 +8,7 @@ from scheduler.estimate import (
     length_dispersion,
     overrun_factor,
     select_warmup_samples,
+    shrink_weight,
 )
 from scheduler.prefix_tree import PrefixTree
 
@@ -148,3 +149,33 @@ def test_every_large_length_group_gets_a_warmup_sample():
     assert picked.tolist() == [3, 135]
     assert add_group_samples(np.array([3, 120]), groups, UNKNOWN).tolist() == [3, 120]
     assert add_group_samples(np.array([3]), groups, UNKNOWN, cap=1).tolist() == [3]
+
+
+def _groups(n_groups, per_group):
+    """One family (a shared header) of prefix groups; request g * per_group + j is group g's j-th."""
+    return PrefixTree.build([[7, 7, 7, 100 + g, 100 + g, 10_000 + g * per_group + j]
+                             for g in range(n_groups) for j in range(per_group)])
+
+
+def test_a_task_group_whose_length_its_task_sets_keeps_its_own_mean():
+    tree = _groups(20, 5)
+    lens = np.repeat(10.0 * np.arange(1, 21), 5)  # group g outputs 10·(g + 1), exactly
+    sampled = np.array([i for i in range(100) if i % 5 < 3])  # three samples a group
+    assert shrink_weight(tree, sampled, lens[sampled]) == 0.0
+    est = estimate_output_lengths(tree, np.full(100, 1000), np.full(100, -1), sampled,
+                                  lens[sampled])
+    assert est[4] == 10.0 and est[99] == 200.0
+
+
+def test_a_few_samples_of_a_noisy_group_are_pulled_towards_their_family():
+    tree = _groups(60, 8)
+    lens = np.random.default_rng(0).lognormal(np.log(500.0), 0.7, 480).round()  # groups say nothing
+    sampled = np.array([i for i in range(480) if i % 8 < 2] + [8 * 60 - 1])
+    sampled = np.array([i for i in sampled if i // 8 != 7 or i % 8 == 0])  # group 7: one sample
+    k = shrink_weight(tree, sampled, lens[sampled])
+    assert k >= 4.0
+    est = estimate_output_lengths(tree, np.full(480, 10_000), np.full(480, -1), sampled,
+                                  lens[sampled])
+    family = lens[sampled].mean()
+    # group 7's unsampled requests: nearer the family's mean than the group's one sample is
+    assert abs(est[60] - family) < 0.5 * abs(lens[56] - family)
