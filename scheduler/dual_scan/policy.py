@@ -750,8 +750,8 @@ class BlendPolicy:
         `corrected_estimate`); none while more than RUN_LEARN_RUNNING of them still run. Later
         starts are left out: among them the short ones finish first. Early on, when only short
         outputs have finished, most of the requests old enough still run, and their estimates
-        are the plan's own guesses: learning from them fed a low guess back (a batch of 10-,
-        10- and 1,000-token requests planned at 256, then 93, then 72).
+        are the plan's own guesses: learning from them fed a low guess back (600 requests of 10,
+        10 and 1,000 tokens in turn, planned at 256, then 247, 89, 69 and 332; true mean 340).
         """
         old = np.flatnonzero((self._start_step >= 0) & (self._known < 0)
                              & (self._start_step <= self._steps - self._longest))
