@@ -9,6 +9,7 @@ import numpy as np
 
 from scheduler.cost_model import CostModel
 from scheduler.dual_scan.memory import KvPeak, MemorySplit, split_memory, steady_prefill
+from scheduler.dual_scan.run_lengths import RUN_LEARN_GROWTH, RunLengths
 from scheduler.errors import PlanningError
 from scheduler.estimate import (
     corrected_estimate,
@@ -39,8 +40,6 @@ MEMORY_HEAVY_RHO = 0.5  # past this density (Comp/Mem) the left cursor's request
 PACE_LEAN_PAST = 0.10  # while compute leads, fill compute 10% past a step's memory time
 PACE_LEAN_SHORT = 0.05  # while memory leads, fill it 5% short of the memory time
 ROUND_ABOVE_MULTIPLES = 4  # steps of at least this many batch multiples are rounded to them
-RUN_LEARN_GROWTH = 2.0  # re-plan from the run's lengths once they are this many times the last's
-RUN_LEARN_RUNNING = 0.1  # ... and at most this share of them still run
 MIN_BLEND_OVERLAP = 0.5  # below this share of overlap, keep the sharing order and full steps
 DEFAULT_STEP_TOKENS = 2048  # the executor's step cap when the caller does not say
 FILLER_KV_SHARE = 0.5  # warm-up filler (unplanned, lengths unknown) fills at most this share of KV
@@ -97,12 +96,8 @@ class BlendPolicy:
         self._sample_in = False  # every sample admitted and past its prefill (_warmup_prefill)
         self._sample_lens: dict[int, int] = {}
         self._started = np.zeros(len(self._reqs), dtype=bool)  # admitted (the plan skips them)
-        self._start_step = np.full(len(self._reqs), -1, dtype=np.int64)  # the step it started
-        self._out_len = np.full(len(self._reqs), -1, dtype=np.int64)  # finished: its length
-        self._finished = 0  # requests of unknown length finished
+        self._lengths = RunLengths(self._known)  # what the run shows (when blending)
         self._observed = 0  # lengths the last plan was estimated from (samples, then the run's)
-        self._next_look = 0  # finished count at which the run's lengths are counted again
-        self._longest = 0  # longest output finished so far
         self._learned = 0  # sample lengths learned since the last plan
         self.replans = 0  # plans rebuilt: censored samples finished, or the run showed lengths
         self._steps = 0  # steps seen (prefill_budget calls)
@@ -134,7 +129,8 @@ class BlendPolicy:
     # ---------------------------------------------------------------- planning
     def _make_plan(self, run_lengths: dict[int, int] | None = None) -> None:
         """Estimate every request from the sample (censoring the ones still running) and the
-        lengths the run has shown (`_run_lengths`), then order and cost what has not started."""
+        lengths the run has shown (`RunLengths.samples`), then order and cost what has not
+        started."""
         lens_of = dict(self._sample_lens)
         for i in self._warm_left:  # past the deadline: at least twice what it has so far
             row = self._run.get(i)
@@ -345,7 +341,7 @@ class BlendPolicy:
 
     def _start(self, req: int, side: int, need: float) -> PlanRequest:
         self._started[req] = True
-        self._start_step[req] = self._steps
+        self._lengths.started(req, self._steps)
         d = float(self._est[req])
         known = self._known[req] >= 0
         crit = d if known else min(d * self._overrun, float(self._max_tokens[req]))
@@ -732,45 +728,20 @@ class BlendPolicy:
             self._used = [0.0, 0.0]
             self._avg_read = self._read = self._rem_comp = self._rem_mem = 0.0
             self._decoding = 0
-        if self._known[req] < 0:
-            self._out_len[req] = int(output_len)
-            self._finished += 1
-            self._longest = max(self._longest, int(output_len))
+        self._lengths.finished(req, int(output_len))
         if req in self._warm_left:
             self._warm_left.discard(req)
             self._sample_lens[req] = int(output_len)
             self._learn()
-        elif self.blending and self._finished >= self._next_look:
+        elif self.blending and self._lengths.due():
             self._learn_from_run()
-
-    def _run_lengths(self) -> dict[int, int]:
-        """Lengths the run has shown, as samples free of survivor bias: every request of unknown
-        length that started at least as many steps ago as the longest output finished so far,
-        at its length, or a running one at its estimate (raised past what it has generated,
-        `corrected_estimate`); none while more than RUN_LEARN_RUNNING of them still run. Later
-        starts are left out: among them the short ones finish first. Early on, when only short
-        outputs have finished, most of the requests old enough still run, and their estimates
-        are the plan's own guesses: learning from them fed a low guess back (600 requests of 10,
-        10 and 1,000 tokens in turn, planned at 256, then 247, 89, 69 and 332; true mean 340).
-        """
-        old = np.flatnonzero((self._start_step >= 0) & (self._known < 0)
-                             & (self._start_step <= self._steps - self._longest))
-        done = old[self._out_len[old] >= 0]
-        out = dict(zip(done.tolist(), self._out_len[done].tolist()))
-        for i in old[self._out_len[old] < 0].tolist():
-            if (row := self._run.get(i)) is not None:
-                out[i] = int(row[EST])
-        if len(out) - len(done) > RUN_LEARN_RUNNING * len(out):
-            return {}  # too many would be the plan's own guesses
-        return out
 
     def _learn_from_run(self) -> None:
         """Re-plan what has not started from the lengths the run has shown once they are twice
         as many as the last plan's."""
-        self._next_look = self._finished + max(self._finished // 4, 16)
         if self._plan is None or self._withdrawn or self._warm_left or self._left >= self._right:
             return
-        lengths = self._run_lengths()
+        lengths = self._lengths.samples(self._steps, {i: row[EST] for i, row in self._run.items()})
         if len(lengths) >= RUN_LEARN_GROWTH * max(self._observed, 1):
             self._make_plan(lengths)
 

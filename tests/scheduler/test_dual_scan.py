@@ -12,6 +12,7 @@ from scheduler.dual_scan import (
     steady_prefill,
 )
 from scheduler.dual_scan.policy import CRIT, KV_SHORT_OVERCOMMIT
+from scheduler.dual_scan.run_lengths import RunLengths
 from scheduler.prefix_tree import PrefixTree
 from scheduler.simulate.executor import SimConfig, simulate
 from scheduler.simulate.trace import TraceEntry
@@ -667,3 +668,21 @@ def test_the_run_learns_from_old_starts_only_once_they_have_mostly_finished():
     means = _plans_of_a_run([10, 10, 1000])
     assert len(means) >= 2 and min(means[1:]) > 300
     assert means[-1] == pytest.approx(340, rel=0.05)
+
+
+def test_run_lengths_count_only_requests_started_as_long_ago_as_the_longest_output():
+    known = np.full(14, -1)
+    known[13] = 7
+    lengths = RunLengths(known)
+    for req in range(14):
+        lengths.started(req, {10: 10, 11: 90, 12: 20}.get(req, 0))
+    for req in range(10):
+        lengths.finished(req, 50)
+    lengths.finished(11, 3)  # started 10 steps ago: among the late starts the short finish first
+    lengths.finished(13, 7)  # known length: not a sample
+    old = dict.fromkeys(range(10), 50)
+    assert lengths.samples(100, {10: 400.0}) == {**old, 10: 400}  # running: at its estimate
+    # two of twelve still running: mostly the plan's own guesses, no samples
+    assert lengths.samples(100, {10: 400.0, 12: 300.0}) == {}
+    lengths.finished(10, 500)  # now the longest: nothing started 500 steps before step 100
+    assert lengths.samples(100, {}) == {}
