@@ -54,7 +54,14 @@ best baseline);
 - Where they do not overlap (this CPU runtime), mixing hides nothing: every step costs W plus
   its compute plus its memory, so only the step count and the prefix sharing can change. The plan
   keeps the sharing order (no splitting), puts the subtrees with the longest decodes first (they
-  set the step count), admits as far as the KV estimate allows, and never paces: full steps.
+  set the step count), admits while the running requests' KV peak at their estimates fits,
+  and never paces: full steps. Once 16 outputs of unknown length have ended, the peak is
+  forecast instead (KvForecast): each request runs on as the Kaplan-Meier survival of the
+  lengths seen so far (relative to the estimates they started with; running requests censored
+  at what they have generated) says, plus two standard deviations; past the longest length
+  seen, to its max_tokens. Without a sample, estimates are max_tokens, and a KV-bound batch of
+  EOS-ended outputs ran fewer requests at once than it could (simulated low_sharing at 4x and
+  16x: 0.994-0.999 of the best baseline, 0.995-1.001 with the forecast).
 """
 
 from scheduler.dual_scan.memory import KvPeak, MemorySplit, split_memory, steady_prefill

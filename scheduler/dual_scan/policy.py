@@ -8,7 +8,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from scheduler.cost_model import CostModel
-from scheduler.dual_scan.memory import KvPeak, MemorySplit, split_memory, steady_prefill
+from scheduler.dual_scan.memory import (
+    KvForecast,
+    KvPeak,
+    MemorySplit,
+    PlanSums,
+    generated_by_now,
+)
 from scheduler.dual_scan.run_lengths import RUN_LEARN_GROWTH, RunLengths
 from scheduler.errors import PlanningError
 from scheduler.estimate import (
@@ -36,6 +42,7 @@ KV_SHORT_FREE_SHARE = 0.05  # where KV limits the steps, free KV the memory side
 # -105 s, compute_low +15 s), runs under 0.85 of the bound 20 -> 14; 0.05 / 0.15 / 0.2 gained
 # as much on the 16 draw-0 runs.
 KV_SHORT_OVERCOMMIT = 0.1
+KV_FORECAST_Z = 2.0  # no overlap: admit while the forecast KV plus this many deviations fits
 MEMORY_HEAVY_RHO = 0.5  # past this density (Comp/Mem) the left cursor's request is memory work
 PACE_LEAN_PAST = 0.10  # while compute leads, fill compute 10% past a step's memory time
 PACE_LEAN_SHORT = 0.05  # while memory leads, fill it 5% short of the memory time
@@ -96,7 +103,7 @@ class BlendPolicy:
         self._sample_in = False  # every sample admitted and past its prefill (_warmup_prefill)
         self._sample_lens: dict[int, int] = {}
         self._started = np.zeros(len(self._reqs), dtype=bool)  # admitted (the plan skips them)
-        self._lengths = RunLengths(self._known)  # what the run shows (when blending)
+        self._lengths = RunLengths(self._known, self._max_tokens)  # what the run shows
         self._observed = 0  # lengths the last plan was estimated from (samples, then the run's)
         self._learned = 0  # sample lengths learned since the last plan
         self.replans = 0  # plans rebuilt: censored samples finished, or the run showed lengths
@@ -159,12 +166,7 @@ class BlendPolicy:
             plan = build_plan(self._tree, self._est, self._cost, exclude=exclude, split=False,
                               dispersion=self._phi, sibling_key=self._tree.subtree_max(self._est))
         self._plan = plan
-        self._cum_need = np.concatenate(([0.0], np.cumsum(plan.computed + plan.output / 2.0)))
-        self._cum_comp = np.concatenate(([0.0], np.cumsum(plan.comp)))
-        self._cum_mem = np.concatenate(([0.0], np.cumsum(plan.mem)))
-        self._cum_computed = np.concatenate(([0.0], np.cumsum(plan.computed)))
-        self._cum_prompt = np.concatenate(([0.0], np.cumsum(plan.prompt)))
-        self._cum_out = np.concatenate(([0.0], np.cumsum(plan.output)))
+        self._sums = PlanSums(plan)
         self._overrun = overrun_factor(self._tree, idx, lens)
         if run_lengths is None:  # they count running requests at their own estimates: raising
             self._raise_running_estimates()  # these to the subtree's would feed back
@@ -243,38 +245,9 @@ class BlendPolicy:
     def warmup_request_ids(self) -> list[str]:
         return [self._reqs[i].id for i in self._samples]
 
-    def _window(self, lo: int, hi: int) -> tuple[float, float, float]:
-        """(ρ, p̄ computed, d̄) over plan positions [lo, hi)."""
-        comp = self._cum_comp[hi] - self._cum_comp[lo]
-        mem = self._cum_mem[hi] - self._cum_mem[lo]
-        n = max(hi - lo, 1)
-        rho = comp / mem if mem > 0 else float("inf")
-        return (
-            rho,
-            (self._cum_computed[hi] - self._cum_computed[lo]) / n,
-            (self._cum_out[hi] - self._cum_out[lo]) / n,
-        )
-
     def memory_split(self, capacity: float) -> MemorySplit:
         """Densities at both cursors, the M_L / M_R split and each side's steady-state prefill."""
-        lo, hi = self._left, self._right
-        j = int(np.searchsorted(self._cum_need, self._cum_need[lo] + capacity, side="right"))
-        j = min(max(j - 1, lo + 1), hi, lo + WINDOW_LEAVES)
-        k = int(np.searchsorted(self._cum_need, self._cum_need[hi] - capacity, side="left"))
-        k = max(min(k, hi - 1), lo, hi - WINDOW_LEAVES)
-        rho_l, p_l, d_l = self._window(lo, j)
-        rho_r, p_r, d_r = self._window(k, hi)
-        rho_t = self._window(lo, hi)[0]
-        m_l, m_r = split_memory(rho_l, rho_r, rho_t, capacity)
-        return MemorySplit(
-            rho_l,
-            rho_r,
-            rho_t,
-            m_l,
-            m_r,
-            steady_prefill(m_l, p_l, d_l),
-            steady_prefill(m_r, p_r, d_r),
-        )
+        return self._sums.memory_split(self._left, self._right, capacity, WINDOW_LEAVES)
 
     def remaining(self, waiting_prefill_tokens: int, capacity: float,
                   cautious: bool = True) -> tuple[float, float, float]:
@@ -284,13 +257,13 @@ class BlendPolicy:
         holds, whichever is more."""
         lo, hi = self._left, self._right
         comp = (
-            self._cum_comp[hi]
-            - self._cum_comp[lo]
+            self._sums.comp[hi]
+            - self._sums.comp[lo]
             - self._jumped[0]
             + self._rem_comp
             + waiting_prefill_tokens * self._spt
         )
-        mem = self._cum_mem[hi] - self._cum_mem[lo] - self._jumped[1] + self._rem_mem
+        mem = self._sums.mem[hi] - self._sums.mem[lo] - self._jumped[1] + self._rem_mem
         kv_steps = mem / (max(capacity, 1.0) * self._skv)
         longest = self._longest_running(CRIT if cautious else EST)
         return comp, mem, max(self._longest_unstarted()[1], kv_steps, longest, 1.0)
@@ -341,7 +314,7 @@ class BlendPolicy:
 
     def _start(self, req: int, side: int, need: float) -> PlanRequest:
         self._started[req] = True
-        self._lengths.started(req, self._steps)
+        self._lengths.started(req, self._steps, float(self._est[req]))
         d = float(self._est[req])
         known = self._known[req] >= 0
         crit = d if known else min(d * self._overrun, float(self._max_tokens[req]))
@@ -495,8 +468,8 @@ class BlendPolicy:
         # The executor's queue counts whole prompts, cached prefixes included: scale the pace.
         lo = self._left
         hi = min(self._right, lo + WINDOW_LEAVES)
-        prompt_per_computed = (self._cum_prompt[hi] - self._cum_prompt[lo]) / max(
-            self._cum_computed[hi] - self._cum_computed[lo], 1.0
+        prompt_per_computed = (self._sums.prompt[hi] - self._sums.prompt[lo]) / max(
+            self._sums.computed[hi] - self._sums.computed[lo], 1.0
         )
         # The queue also keeps up with the critical-path pace (remaining compute / steps), so
         # prompts are in when a step's budget wants them.
@@ -527,56 +500,88 @@ class BlendPolicy:
 
     def _admit_in_order(self, budget: StepBudget) -> list[PlanRequest]:
         """No overlap: the plan's (sharing) order while the KV the running requests will hold
-        at their peak, as they grow and finish at their estimates (KvPeak), fits. A request
-        counts the prompt tokens it does not share with the one before it; the first counts
-        them all. Admitting on the average occupancy instead overcommits: once the requests
-        grow, the newest is preempted and its prompt and output are computed again."""
+        at their peak fits: as they grow and finish at their estimates (KvPeak) or, once
+        enough outputs have ended on their own, as the lengths the run has shown forecast it
+        (KvForecast). A request counts the prompt tokens it does not share with the one before
+        it; the first counts them all. Admitting on the average occupancy instead overcommits:
+        once the requests grow, the newest is preempted and its prompt and output are computed
+        again."""
         plan = self._plan
         assert plan is not None
         capacity = float(budget.kv_capacity_tokens or self._capacity)
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
+        if self._left >= self._right or (self._run and plan.prompt[self._left] > free):
+            return []
         # While censored samples run, every length is allowed its overruns: in sharing order
         # a preempted request recomputes a prompt its neighbours shared. Progress caught up to
         # this step: a KV-bound chat batch at 16x bench/cpu_workloads.py's (1,024 requests,
         # exact lengths) preempted 49-55 requests on lagging reports and none with this
         # (bench/cpu_scale_sweep.py; the blending path keeps the reports: on the H200 grid the
         # same made the 48 runs' sum no shorter and their worst compute_high run 0.838 -> 0.823).
-        peak = self._kv_peak(overruns=bool(self._warm_left), caught_up=True)
+        kv = (None if self._warm_left else self._kv_forecast(capacity - free)) or self._kv_peak(
+            overruns=bool(self._warm_left), caught_up=True)
         out: list[PlanRequest] = []
         while self._left < self._right:
             pos = self._left
+            req = int(plan.order[pos])
             computed = float(plan.computed[pos] if out or self._run else plan.prompt[pos])
             d = float(plan.output[pos]) * (self._overrun if self._warm_left else 1.0)
-            prompt = float(plan.prompt[pos])
-            if (self._run or out) and (peak.with_request(computed, d) > capacity
-                                       or prompt > free):
+            known = bool(self._known[req] >= 0)
+            limit = float(self._known[req] if known else self._max_tokens[req])
+            bound = (kv.with_request(computed, d, limit, known) if isinstance(kv, KvForecast)
+                     else kv.with_request(computed, d))
+            if (self._run or out) and (plan.prompt[pos] > free or bound > capacity):
                 break
             self._left += 1
-            peak.add(computed, d)
+            if isinstance(kv, KvForecast):
+                kv.add_request(computed, d, limit, known)
+            else:
+                kv.add(computed, d)
             out.append(self._take(pos, LEFT, computed + float(plan.output[pos]) / 2.0))
-            self._unshared[int(plan.order[pos])] = computed
-            free -= prompt
+            self._unshared[req] = computed
+            free -= float(plan.prompt[pos])
         return out
+
+    def _running(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Running requests: their ids, the prompt KV each added (in sharing order only the
+        part it does not share), the tokens generated as last reported, and the steps since."""
+        rows = list(self._run.items())
+        n = len(rows)
+        return (np.fromiter((i for i, _ in rows), np.int64, n),
+                np.fromiter((self._unshared.get(i, row[2]) for i, row in rows), np.float64, n),
+                np.fromiter((row[4] for _, row in rows), np.float64, n),
+                np.fromiter((self._steps - self._reported.get(i, self._steps) for i, _ in rows),
+                            np.float64, n))
+
+    def _kv_forecast(self, used: float) -> KvForecast | None:
+        """The KV in use over the coming steps, `used` now (prompts queued for prefill
+        included), as the run's lengths forecast the running requests' growth and finishes
+        (KvForecast, KV_FORECAST_Z deviations of margin), or None until enough outputs have
+        ended on their own (RunLengths.survival). What is in use beyond the running requests'
+        own tokens (prefixes they share, part-filled pages) stays in use."""
+        reqs, prompt, generated, lag = self._running()
+        known = self._known[reqs] >= 0
+        limit = np.where(known, self._known[reqs], self._max_tokens[reqs]).astype(np.float64)
+        now = generated_by_now(generated, lag, limit - 1.0)
+        survival = self._lengths.survival(dict(zip(reqs.tolist(), now.tolist())))
+        if survival is None:
+            return None
+        held = prompt + now
+        forecast = KvForecast(survival, float(self._max_tokens.max()), KV_FORECAST_Z,
+                              used - float(held.sum()))
+        forecast.add(held, now, self._lengths.basis(reqs), limit, known)
+        return forecast
 
     def _kv_peak(self, *, overruns: bool, caught_up: bool = False) -> KvPeak:
         """The running requests' KV growth and finishes, as their estimates predict, or
         allowing for overruns (`overruns`). A request admitted in sharing order
-        (_admit_in_order) counts only its unshared prompt. Progress is reported now and then
-        (at 1, 2, 4, … tokens); `caught_up` counts a token a step since for each decoding
-        request, up to its estimate: taken as reported, each curve runs late by its lag, and
-        curves lagging by different amounts miss the peak they make together. (A preempted
-        request recomputing is counted as decoding on: the policy is not told.)"""
-        rows = list(self._run.items())
+        (_admit_in_order) counts only its unshared prompt. `caught_up`: progress counted to
+        this step (generated_by_now)."""
+        _, prompt, now, lag = self._running()
         col = CRIT if overruns else EST
-        n = len(rows)
-        prompt = np.fromiter((self._unshared.get(i, row[2]) for i, row in rows), np.float64, n)
-        length = np.fromiter((row[col] for _, row in rows), np.float64, n)
-        now = np.fromiter((row[4] for _, row in rows), np.float64, n)  # tokens generated
+        length = np.fromiter((row[col] for row in self._run.values()), np.float64, len(now))
         if caught_up:
-            lag = np.fromiter((self._steps - self._reported.get(i, self._steps) for i, _ in rows),
-                              np.float64, n)
-            now = np.where(now > 0, np.minimum(now + np.maximum(lag, 0.0),
-                                               np.maximum(length - 1.0, now)), 0.0)
+            now = generated_by_now(now, lag, length - 1.0)
         return KvPeak(prompt + now, np.maximum(length - now, 0.0))
 
     def _take(self, pos: int, side: int, need: float) -> PlanRequest:
@@ -602,12 +607,12 @@ class BlendPolicy:
             return self._spt
         lo = self._left
         hi = min(self._right, lo + WINDOW_LEAVES)
-        computed = self._cum_computed[hi] - self._cum_computed[lo]
+        computed = self._sums.computed[hi] - self._sums.computed[lo]
         if computed <= 0:
             return self._spt
-        out = self._cum_out[hi] - self._cum_out[lo]
+        out = self._sums.out[hi] - self._sums.out[lo]
         linear = computed * self._spt + out * (self._spt + self._cost.seconds_per_row)
-        attention = self._cum_comp[hi] - self._cum_comp[lo] - linear
+        attention = self._sums.comp[hi] - self._sums.comp[lo] - linear
         return self._spt + max(attention, 0.0) / computed
 
     def _admit_warmup(self, budget: StepBudget) -> list[PlanRequest]:

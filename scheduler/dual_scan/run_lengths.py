@@ -1,5 +1,7 @@
-"""Output lengths a running batch shows, as samples the plan can learn from (BlendPolicy
-re-plans from them, when blending, each time they have grown RUN_LEARN_GROWTH-fold)."""
+"""Output lengths a running batch shows: samples the plan can learn from (BlendPolicy re-plans
+from them, when blending, each time they have grown RUN_LEARN_GROWTH-fold), and the survival of
+lengths relative to their estimates, which forecasts the KV the running requests will hold
+(memory.KvForecast, where compute and memory do not overlap)."""
 
 from __future__ import annotations
 
@@ -9,21 +11,29 @@ import numpy as np
 
 RUN_LEARN_GROWTH = 2.0  # re-plan from the run's lengths once they are this many times the last's
 RUN_LEARN_RUNNING = 0.1  # ... and at most this share of them still run
+SURVIVAL_MIN_EVENTS = 16  # outputs ended by the model before their survival is trusted
 
 
 class RunLengths:
     """When each request started and how long the finished ones of unknown length ran."""
 
-    def __init__(self, known_lens: np.ndarray) -> None:
+    def __init__(self, known_lens: np.ndarray, max_tokens: np.ndarray) -> None:
         self._unknown = np.asarray(known_lens) < 0
+        self._max = np.asarray(max_tokens, dtype=np.int64)
         self._start = np.full(len(self._unknown), -1, dtype=np.int64)  # the step it started
+        self._basis = np.ones(len(self._unknown))  # its length estimate when it started
         self._length = np.full(len(self._unknown), -1, dtype=np.int64)  # finished: its length
         self._finished = 0  # requests of unknown length finished
         self._longest = 0  # longest output finished so far
         self._next_look = 0  # finished count at which the samples are worth counting again
 
-    def started(self, req: int, step: int) -> None:
+    def started(self, req: int, step: int, estimate: float) -> None:
         self._start[req] = step
+        self._basis[req] = max(float(estimate), 1.0)
+
+    def basis(self, reqs: np.ndarray) -> np.ndarray:
+        """The length estimates the requests `reqs` started with."""
+        return self._basis[reqs]
 
     def finished(self, req: int, length: int) -> None:
         if self._unknown[req]:
@@ -58,3 +68,44 @@ class RunLengths:
         if len(out) - len(done) > RUN_LEARN_RUNNING * len(out):
             return {}  # too many would be the plan's own guesses
         return out
+
+    def survival(self, running: Mapping[int, float]) -> Survival | None:
+        """Kaplan-Meier survival of output length in units of each request's estimate when it
+        started: a finished output is an event at its length (one that reached max_tokens is
+        censored there: the model might have gone on), a running request with `running[i]`
+        tokens generated is censored there. Censoring is what keeps survivor bias out: the
+        requests that finished first are the short ones. None until SURVIVAL_MIN_EVENTS
+        outputs have ended on their own."""
+        unknown_running = [i for i in running if self._unknown[i]]
+        done = np.flatnonzero(self._length >= 0)
+        events = self._length[done] < self._max[done]
+        if int(events.sum()) < SURVIVAL_MIN_EVENTS:
+            return None
+        run = np.array(unknown_running, dtype=np.int64)
+        generated = np.array([running[i] for i in unknown_running], dtype=np.float64)
+        times = np.concatenate((self._length[done] / self._basis[done],
+                                generated / self._basis[run]))
+        ended = np.concatenate((events, np.zeros(len(run), dtype=bool)))
+        return Survival.kaplan_meier(times, ended)
+
+
+class Survival:
+    """A survival function S(x) = P(length > x), a step function falling at event times."""
+
+    def __init__(self, times: np.ndarray, values: np.ndarray) -> None:
+        self._times = times  # ascending event times
+        self._values = values  # S just after each
+
+    @classmethod
+    def kaplan_meier(cls, times: np.ndarray, ended: np.ndarray) -> Survival:
+        """Product over event times t_k of (1 − d_k/n_k): d_k ended at t_k, n_k at risk (ended or
+        censored at t_k or later)."""
+        order = np.sort(times)
+        at, died = np.unique(times[ended], return_counts=True)
+        at_risk = len(order) - np.searchsorted(order, at, side="left")
+        return cls(at, np.cumprod(1.0 - died / np.maximum(at_risk, 1)))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(self._times, x, side="right")
+        values = np.concatenate(([1.0], self._values))  # S = 1 before the first event
+        return values[k]

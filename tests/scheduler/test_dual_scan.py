@@ -11,8 +11,9 @@ from scheduler.dual_scan import (
     split_memory,
     steady_prefill,
 )
+from scheduler.dual_scan.memory import KvForecast
 from scheduler.dual_scan.policy import CRIT, KV_SHORT_OVERCOMMIT
-from scheduler.dual_scan.run_lengths import RunLengths
+from scheduler.dual_scan.run_lengths import RunLengths, Survival
 from scheduler.prefix_tree import PrefixTree
 from scheduler.simulate.executor import SimConfig, simulate
 from scheduler.simulate.trace import TraceEntry
@@ -673,9 +674,9 @@ def test_the_run_learns_from_old_starts_only_once_they_have_mostly_finished():
 def test_run_lengths_count_only_requests_started_as_long_ago_as_the_longest_output():
     known = np.full(14, -1)
     known[13] = 7
-    lengths = RunLengths(known)
+    lengths = RunLengths(known, np.full(14, 1000))
     for req in range(14):
-        lengths.started(req, {10: 10, 11: 90, 12: 20}.get(req, 0))
+        lengths.started(req, {10: 10, 11: 90, 12: 20}.get(req, 0), 100.0)
     for req in range(10):
         lengths.finished(req, 50)
     lengths.finished(11, 3)  # started 10 steps ago: among the late starts the short finish first
@@ -686,3 +687,75 @@ def test_run_lengths_count_only_requests_started_as_long_ago_as_the_longest_outp
     assert lengths.samples(100, {10: 400.0, 12: 300.0}) == {}
     lengths.finished(10, 500)  # now the longest: nothing started 500 steps before step 100
     assert lengths.samples(100, {}) == {}
+
+
+def test_kaplan_meier_counts_censored_lengths_at_risk_until_they_are_cut_off():
+    # Ended at 1, 2 and 3; cut off at 2 and 4. At 2 four are at risk (2, 2, 3, 4), one ends.
+    s = Survival.kaplan_meier(np.array([1.0, 2, 2, 3, 4]), np.array([1, 1, 0, 1, 0], dtype=bool))
+    assert s(np.array([0.5, 1, 2, 2.5, 3, 9])) == pytest.approx([1, 0.8, 0.6, 0.6, 0.3, 0.3])
+
+
+def test_run_survival_is_free_of_survivor_bias_and_trusts_only_outputs_the_model_ended():
+    # 20 ended after 10 tokens while 80 still run at 50: the finished ones alone would say 10.
+    n = 101
+    lengths = RunLengths(np.full(n, -1), np.full(n, 100))
+    for req in range(n):
+        lengths.started(req, 0, 100.0)
+    for req in range(15):
+        lengths.finished(req, 10)
+    lengths.finished(100, 100)  # reached max_tokens: cut off there, not an event
+    running = dict.fromkeys(range(20, 100), 50.0)
+    assert lengths.survival(running) is None  # 15 events: too few to trust
+    for req in range(15, 20):
+        lengths.finished(req, 10)
+    s = lengths.survival(running)  # at 0.1: 20 of 101 at risk end (the cut-off one counts)
+    assert s is not None and s(np.array([0.05, 0.1, 0.5, 0.99])) == pytest.approx([1] + [81 / 101] * 3)
+
+
+def test_a_kv_forecast_of_known_lengths_is_the_kv_peak():
+    # Lengths known: no uncertainty, the forecast's curve peaks where KvPeak's does.
+    s = Survival(np.array([]), np.array([]))
+    held, left = np.array([100.0, 40, 300]), np.array([50.0, 80, 20])
+    forecast = KvForecast(s, 100.0, z=2.0)
+    forecast.add(held, np.zeros(3), np.ones(3), left, np.ones(3, dtype=bool))
+    slack = 1.0 * 4  # a grid point a step, and the next step: four requests' growth
+    peak = KvPeak(held, left)
+    assert forecast.with_request(10.0, 60.0, 60.0, True) - slack == peak.with_request(10.0, 60.0)
+
+
+def test_a_kv_forecast_expects_uncertain_lengths_to_end_and_keeps_a_margin():
+    # Half end after 10 tokens, the rest after 20 (in units of their estimate, 1 token).
+    s = Survival(np.array([10.0, 20.0]), np.array([0.5, 0.0]))
+    bounds = []
+    for z in (0.0, 2.0):
+        forecast = KvForecast(s, 40.0, z=z)
+        forecast.add(np.zeros(100), np.zeros(100), np.ones(100), np.full(100, 40.0),
+                     np.zeros(100, dtype=bool))
+        bounds.append(forecast.with_request(0.0, 1.0, 1.0, False) - 101)
+    # 100 hold t + 1 tokens up to t = 9, and 50 of them to t = 19, each with p = 1/2
+    assert bounds[0] == 1000 and bounds[1] == pytest.approx(1000 + 2 * np.sqrt(100 * 20**2 / 4))
+
+
+def _cpu_run(lengths, n=400, kv=8_000):
+    """Simulate n requests of unknown length (64-token prompts, max_tokens 256; request i
+    outputs lengths[i % len(lengths)]) on a device with no overlap, in a KV far smaller than
+    the batch: (steps, preemptions)."""
+    from tests.scheduler.factories import toy_cost
+
+    reqs = [make_request(64, max_tokens=256) for _ in range(n)]
+    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
+    cost = toy_cost()
+    pol = BlendPolicy(reqs, tree=tree, cost_model=cost, kv_capacity_tokens=kv, step_tokens=2048)
+    entries = [TraceEntry(r, lengths[i % len(lengths)]) for i, r in enumerate(reqs)]
+    result = simulate(entries, pol, cost, SimConfig(kv, 2048), tree)
+    return result.steps, result.preemptions
+
+
+def test_without_overlap_the_lengths_the_run_shows_let_more_requests_run_at_once(monkeypatch):
+    # At max_tokens each request may hold 320 tokens: 25 fit. The outputs are 40-240 tokens.
+    lengths = [40 + (i * 37) % 201 for i in range(50)]
+    steps, preempted = _cpu_run(lengths)
+    monkeypatch.setattr("scheduler.dual_scan.run_lengths.SURVIVAL_MIN_EVENTS", 10**9)
+    steps_at_max, preempted_at_max = _cpu_run(lengths)
+    assert preempted == preempted_at_max == 0
+    assert steps < 0.85 * steps_at_max
