@@ -124,8 +124,11 @@ class KvForecast:
     S((g_i + t)/e_i) / S(g_i/e_i) before its max_tokens (S: run_lengths.Survival of lengths in
     units of the estimate e_i it started with; g_i: tokens generated). The bound is the peak
     over t of `held` (KV in use that the requests do not account for) plus their expected KV
-    plus `z` standard deviations (lengths independent), on a grid of GRID points up to
-    `horizon` steps, plus the requests' growth from one grid point to the next.
+    plus `z` standard deviations (lengths independent). It is taken over intervals of steps
+    [t_k, t_k+1): every step to LINEAR_STEPS, then GRID steps further apart up to `horizon`;
+    over an interval a request counts the KV it holds at its end with the chance it runs at its
+    start, an upper bound (KV grows, the chance falls). Plus a token a request: the executor
+    keeps the next step's decode tokens free.
 
     Past the longest length seen, S stays flat: a request running that long is expected to run
     to its max_tokens. Letting S fall linearly to 0 there instead (right for lengths uniform up
@@ -133,29 +136,32 @@ class KvForecast:
     (bench/cpu_scale_sweep.py --lengths bimodal: 0.97-0.98 of the best baseline, was 1.03-1.05).
     """
 
-    GRID = 128
+    LINEAR_STEPS = 32
+    GRID = 96
 
     def __init__(self, survival: Survival, horizon: float, z: float, held: float = 0.0) -> None:
-        step = max(1.0, np.ceil(max(horizon, 1.0) / (self.GRID - 1)))
-        self._t = np.arange(self.GRID) * step
+        far = np.geomspace(self.LINEAR_STEPS, max(horizon, self.LINEAR_STEPS) + 1, self.GRID)
+        t = np.unique(np.concatenate((np.arange(self.LINEAR_STEPS), np.round(far))))
+        self._t, self._end = t[:-1], t[1:]  # intervals [t_k, t_k+1)
         self._s = survival
         self._z = z
-        self._mean = np.full(self.GRID, held)
-        self._var = np.zeros(self.GRID)
+        self._mean = np.full(len(self._t), held)
+        self._var = np.zeros(len(self._t))
         self._n = 0  # requests added
 
     def _curves(self, held: np.ndarray, generated: np.ndarray, estimate: np.ndarray,
                 limit: np.ndarray, known: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Expected KV and its variance over the grid of requests with these columns (`limit`:
-        the length a request cannot pass, its known length or max_tokens)."""
+        """Expected KV and its variance over the intervals of requests with these columns
+        (`limit`: the length a request cannot pass, its known length or max_tokens)."""
         t = self._t[None, :]
         g = generated[:, None]
         e = estimate[:, None]
         now = self._s(g / e)
         alive = np.where(now > 0, self._s((g + t) / e) / np.where(now > 0, now, 1.0), 1.0)
         alive = np.where(known[:, None], 1.0, alive) * (g + t < limit[:, None])
-        kv = (held[:, None] + t + 1.0) * alive  # the step writes one more token
-        return kv.sum(axis=0), (kv * (held[:, None] + t + 1.0) * (1.0 - alive)).sum(axis=0)
+        size = held[:, None] + np.minimum(self._end[None, :], limit[:, None] - g)  # at the end
+        kv = size * alive
+        return kv.sum(axis=0), (kv * size * (1.0 - alive)).sum(axis=0)
 
     def add(self, held: np.ndarray, generated: np.ndarray, estimate: np.ndarray,
             limit: np.ndarray, known: np.ndarray) -> None:
@@ -174,8 +180,8 @@ class KvForecast:
     def with_request(self, held: float, estimate: float, limit: float, known: bool) -> float:
         """The bound if a request holding `held` tokens, not yet decoding, joins."""
         mean, var = self._curves(*self._request(held, estimate, limit, known))
-        slack = self._t[1] * (self._n + 1)
-        return float(np.max(self._mean + mean + self._z * np.sqrt(self._var + var))) + slack
+        peak = float(np.max(self._mean + mean + self._z * np.sqrt(self._var + var)))
+        return peak + self._n + 1  # the executor keeps a step's decode tokens free ahead
 
     def add_request(self, held: float, estimate: float, limit: float, known: bool) -> None:
         self.add(*self._request(held, estimate, limit, known))

@@ -718,9 +718,14 @@ def test_a_kv_forecast_of_known_lengths_is_the_kv_peak():
     held, left = np.array([100.0, 40, 300]), np.array([50.0, 80, 20])
     forecast = KvForecast(s, 100.0, z=2.0)
     forecast.add(held, np.zeros(3), np.ones(3), left, np.ones(3, dtype=bool))
-    slack = 1.0 * 4  # a grid point a step, and the next step: four requests' growth
     peak = KvPeak(held, left)
-    assert forecast.with_request(10.0, 60.0, 60.0, True) - slack == peak.with_request(10.0, 60.0)
+    step_ahead = 4  # a token each: the executor keeps the next step's decode tokens free
+    assert forecast.with_request(10.0, 60.0, 60.0, True) == peak.with_request(10.0, 60.0) + step_ahead
+    # Far out, steps are taken in intervals: a request counts the KV it holds at an interval's
+    # end, never more than its length allows.
+    far = KvForecast(s, 20_000.0, z=2.0)
+    far.add(np.array([100.0]), np.zeros(1), np.ones(1), np.array([5_000.0]), np.ones(1, dtype=bool))
+    assert far.with_request(0.0, 1.0, 1.0, True) == 5_100.0 + 2
 
 
 def test_a_kv_forecast_expects_uncertain_lengths_to_end_and_keeps_a_margin():
@@ -731,7 +736,7 @@ def test_a_kv_forecast_expects_uncertain_lengths_to_end_and_keeps_a_margin():
         forecast = KvForecast(s, 40.0, z=z)
         forecast.add(np.zeros(100), np.zeros(100), np.ones(100), np.full(100, 40.0),
                      np.zeros(100, dtype=bool))
-        bounds.append(forecast.with_request(0.0, 1.0, 1.0, False) - 101)
+        bounds.append(forecast.with_request(0.0, 1.0, 1.0, False) - 101)  # a step ahead
     # 100 hold t + 1 tokens up to t = 9, and 50 of them to t = 19, each with p = 1/2
     assert bounds[0] == 1000 and bounds[1] == pytest.approx(1000 + 2 * np.sqrt(100 * 20**2 / 4))
 
