@@ -15,7 +15,8 @@ SURVIVAL_MIN_EVENTS = 16  # outputs ended by the model before their survival is 
 
 
 class RunLengths:
-    """When each request started and how long the finished ones of unknown length ran."""
+    """When each request started and on what length estimate, and how long the finished ones
+    of unknown length ran."""
 
     def __init__(self, known_lens: np.ndarray, max_tokens: np.ndarray) -> None:
         self._unknown = np.asarray(known_lens) < 0
