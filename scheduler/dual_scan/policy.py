@@ -554,18 +554,18 @@ class BlendPolicy:
                             np.float64, n))
 
     def _kv_forecast(self, used: float) -> KvForecast | None:
-        """The KV in use over the coming steps, `used` now (prompts queued for prefill
-        included), as the run's lengths forecast the running requests' growth and finishes
-        (KvForecast, KV_FORECAST_Z deviations of margin), or None until enough outputs have
-        ended on their own (RunLengths.survival). What is in use beyond the running requests'
-        own tokens (prefixes they share, part-filled pages) stays in use."""
+        """The KV in use over the coming steps, `used` now (queued prompts included), as the
+        run's lengths forecast the running requests' growth and finishes (KvForecast), or None
+        until enough outputs have ended on their own (RunLengths.survival_known). What is in
+        use beyond the running requests' own tokens (shared prefixes, part-filled pages) stays."""
+        if not self._lengths.survival_known:
+            return None
         reqs, prompt, generated, lag = self._running()
         known = self._known[reqs] >= 0
         limit = np.where(known, self._known[reqs], self._max_tokens[reqs]).astype(np.float64)
         now = generated_by_now(generated, lag, limit - 1.0)
-        survival = self._lengths.survival(dict(zip(reqs.tolist(), now.tolist())))
-        if survival is None:
-            return None
+        survival = self._lengths.survival(reqs, now)
+        assert survival is not None  # survival_known
         held = prompt + now
         forecast = KvForecast(survival, float(self._max_tokens.max()), KV_FORECAST_Z,
                               used - float(held.sum()))

@@ -25,6 +25,7 @@ class RunLengths:
         self._basis = np.ones(len(self._unknown))  # its length estimate when it started
         self._length = np.full(len(self._unknown), -1, dtype=np.int64)  # finished: its length
         self._finished = 0  # requests of unknown length finished
+        self._ended = 0  # ... of which before max_tokens: the model ended them
         self._longest = 0  # longest output finished so far
         self._next_look = 0  # finished count at which the samples are worth counting again
 
@@ -40,6 +41,7 @@ class RunLengths:
         if self._unknown[req]:
             self._length[req] = length
             self._finished += 1
+            self._ended += length < self._max[req]
             self._longest = max(self._longest, length)
 
     def due(self) -> bool:
@@ -70,23 +72,27 @@ class RunLengths:
             return {}  # too many would be the plan's own guesses
         return out
 
-    def survival(self, running: Mapping[int, float]) -> Survival | None:
+    @property
+    def survival_known(self) -> bool:
+        """Whether SURVIVAL_MIN_EVENTS outputs have ended on their own (`survival` says more
+        than nothing)."""
+        return self._ended >= SURVIVAL_MIN_EVENTS
+
+    def survival(self, running: np.ndarray, generated: np.ndarray) -> Survival | None:
         """Kaplan-Meier survival of output length in units of each request's estimate when it
         started: a finished output is an event at its length (one that reached max_tokens is
-        censored there: the model might have gone on), a running request with `running[i]`
-        tokens generated is censored there. Censoring is what keeps survivor bias out: the
-        requests that finished first are the short ones. None until SURVIVAL_MIN_EVENTS
-        outputs have ended on their own."""
-        unknown_running = [i for i in running if self._unknown[i]]
-        done = np.flatnonzero(self._length >= 0)
-        events = self._length[done] < self._max[done]
-        if int(events.sum()) < SURVIVAL_MIN_EVENTS:
+        censored there: the model might have gone on), a running request (`running`, having
+        generated `generated` tokens) is censored there. Censoring is what keeps survivor bias
+        out: the requests that finished first are the short ones. None until
+        `survival_known`."""
+        if not self.survival_known:
             return None
-        run = np.array(unknown_running, dtype=np.int64)
-        generated = np.array([running[i] for i in unknown_running], dtype=np.float64)
+        done = np.flatnonzero(self._length >= 0)
+        run = self._unknown[running]
+        reqs = np.asarray(running)[run]
         times = np.concatenate((self._length[done] / self._basis[done],
-                                generated / self._basis[run]))
-        ended = np.concatenate((events, np.zeros(len(run), dtype=bool)))
+                                np.asarray(generated, dtype=np.float64)[run] / self._basis[reqs]))
+        ended = np.concatenate((self._length[done] < self._max[done], np.zeros(len(reqs), bool)))
         return Survival.kaplan_meier(times, ended)
 
 

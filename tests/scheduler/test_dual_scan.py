@@ -704,11 +704,11 @@ def test_run_survival_is_free_of_survivor_bias_and_trusts_only_outputs_the_model
     for req in range(15):
         lengths.finished(req, 10)
     lengths.finished(100, 100)  # reached max_tokens: cut off there, not an event
-    running = dict.fromkeys(range(20, 100), 50.0)
-    assert lengths.survival(running) is None  # 15 events: too few to trust
+    running = np.arange(20, 100), np.full(80, 50.0)
+    assert lengths.survival(*running) is None  # 15 events: too few to trust
     for req in range(15, 20):
         lengths.finished(req, 10)
-    s = lengths.survival(running)  # at 0.1: 20 of 101 at risk end (the cut-off one counts)
+    s = lengths.survival(*running)  # at 0.1: 20 of 101 at risk end (the cut-off one counts)
     assert s is not None and s(np.array([0.05, 0.1, 0.5, 0.99])) == pytest.approx([1] + [81 / 101] * 3)
 
 
