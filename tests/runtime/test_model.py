@@ -181,7 +181,8 @@ def test_decode_length_buckets_equal_one_padded_batch() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 24], ids=["hd64", "hd24"])  # 16-lane path, plain loops
+# 64: the 16-lane (AVX-512) or 8-lane (AVX2) path; 24: 8-lane on AVX2; 20: plain loops everywhere
+@pytest.mark.parametrize("head_dim", [64, 24, 20], ids=["hd64", "hd24", "hd20"])
 def test_in_place_decode_kernel_equals_gathered_sdpa(dtype: torch.dtype, head_dim: int) -> None:
     """Contexts of 1 token up to several kernel chunks (split and merged), pages scattered."""
     ps, n, heads, kv_heads = 16, 12, 6, 2
