@@ -22,8 +22,10 @@
  * - otherwise (attend_chunk_rows) head by head with fp32 K and V read where they lie, eight
  *   tokens' scores at a time (AVX2) and the prefill path's V sum in registers: on a Zen 3,
  *   2x the copy-then-loop path it replaced with the context in cache, 1.1x on decode steps that
- *   read it from DRAM (~16 GB/s there, against ~30 for a plain stream; software prefetching,
- *   L1 or L2, one block ahead, gained nothing);
+ *   read it from DRAM. There it takes about the time of a plain read of the same pages (~30
+ *   GB/s) plus that of the math with the pages in cache: the two do not overlap, and software
+ *   prefetches (L1 or L2, of the next block or of the block's V before its scores) gained
+ *   nothing measurable;
  * - the plain loops, vectorised by the compiler, for head sizes that are not a multiple of 8.
  *
  * paged_prefill attends prefill chunks causally: a work item is a block of a chunk's query
@@ -359,14 +361,19 @@ static void attend_chunk_rows(const float *qf, int kvh, int rows, const void *k_
     int n_rows = kvh * rows;
     float s[BLOCK];
     const float *kp[BLOCK], *vp[BLOCK];
+    size_t row0[BLOCK]; /* each token's K/V row (head 0) in the pool */
     memset(acc, 0, sizeof(float) * (size_t)n_rows * hd);
     for (int j = 0; j < n_rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
+    int page = t_begin / ps, slot = t_begin % ps; /* of the next token: no division per token */
     for (int t0 = t_begin; t0 < t_end; t0 += BLOCK) {
         int n = t_end - t0 < BLOCK ? t_end - t0 : BLOCK;
+        for (int t = 0; t < n; t++) {
+            row0[t] = ((size_t)pages[page] * ps + slot) * kvh * hd;
+            if (++slot == ps) { slot = 0; page++; }
+        }
         for (int h = 0; h < kvh; h++) {
             for (int t = 0; t < n; t++) {
-                int pos = t0 + t;
-                size_t off = (((size_t)pages[pos / ps] * ps + pos % ps) * kvh + h) * hd;
+                size_t off = row0[t] + (size_t)h * hd;
                 if (bf16) {
                     load_row(k_cache, off, 1, hd, kb + (size_t)t * hd, 1.f);
                     load_row(v_cache, off, 1, hd, vb + (size_t)t * hd, 1.f);
