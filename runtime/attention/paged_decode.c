@@ -352,8 +352,7 @@ static void scores_rows(const float *q, const float *const *k, int n, int hd, fl
 
 /* attend_chunk without AVX-512: the same work, head by head, with fp32 K and V read where they
  * lie in the pool (bf16 converted a head's block at a time into kb, vb [BLOCK, hd]); scores
- * eight tokens at a time and the V sum of the prefill path, 64 dims in registers. Copying
- * every fp32 row into a block first took ~a third of a decode's time on a Zen 3. */
+ * eight tokens at a time and the V sum of the prefill path, 64 dims in registers. */
 static void attend_chunk_rows(const float *qf, int kvh, int rows, const void *k_cache,
                               const void *v_cache, int bf16, const int32_t *pages, int t_begin,
                               int t_end, int hd, int ps, float *acc, float *mx, float *sum,
