@@ -19,13 +19,13 @@
  *   each head's K and V are asked for two tiles ahead (prefetch_kv: ~1.85× on decode steps whose
  *   contexts do not fit in cache);
  * - AVX-512 and a head size that is a multiple of 16: explicit 16-lane scores and V sums;
- * - otherwise (attend_chunk_rows) head by head with fp32 K and V read where they lie, eight
+ * - otherwise (attend_chunk_rows) a block's K and V copied in the pool's order, then eight
  *   tokens' scores at a time (AVX2) and the prefill path's V sum in registers: on a Zen 3,
- *   2x the copy-then-loop path it replaced with the context in cache, 1.1x on decode steps that
- *   read it from DRAM. There it takes about the time of a plain read of the same pages (~30
- *   GB/s) plus that of the math with the pages in cache: the two do not overlap, and software
- *   prefetches (L1 or L2, of the next block or of the block's V before its scores) gained
- *   nothing measurable;
+ *   0.70x the time of the scalar-scored path it replaced with the context in cache, ~0.8x on
+ *   decode steps that read it from DRAM (bench/cpu_decode_attention.py). There both take
+ *   over 1.5x a plain read of the same pages (~30 GB/s): reads and math overlap little, and
+ *   software prefetches (L1 or L2, of the next block or of the block's V before its scores)
+ *   gained nothing measurable;
  * - the plain loops, vectorised by the compiler, for head sizes that are not a multiple of 8.
  *
  * paged_prefill attends prefill chunks causally: a work item is a block of a chunk's query
@@ -350,38 +350,34 @@ static void scores_rows(const float *q, const float *const *k, int n, int hd, fl
     }
 }
 
-/* attend_chunk without AVX-512: the same work, head by head, with fp32 K and V read where they
- * lie in the pool (bf16 converted a head's block at a time into kb, vb [BLOCK, hd]); scores
- * eight tokens at a time and the V sum of the prefill path, 64 dims in registers. */
+/* attend_chunk without AVX-512: per block, every head's K and V rows copied (bf16 widened) into
+ * kb, vb [BLOCK][kvh * hd], a token's heads at a time in the pool's order; then head by head,
+ * each query row's scores eight tokens at a time and the V sum of the prefill path, 64 dims in
+ * registers. From DRAM the copy in that order beat reading each head's fp32 rows in place
+ * (three strided passes over the block): 0.8x against 0.9x the old kernel's time (Zen 3). */
 static void attend_chunk_rows(const float *qf, int kvh, int rows, const void *k_cache,
                               const void *v_cache, int bf16, const int32_t *pages, int t_begin,
                               int t_end, int hd, int ps, float *acc, float *mx, float *sum,
                               float *kb, float *vb) {
     int n_rows = kvh * rows;
+    size_t row = (size_t)kvh * hd; /* one token's K (or V), every head */
     float s[BLOCK];
     const float *kp[BLOCK], *vp[BLOCK];
-    size_t row0[BLOCK]; /* each token's K/V row (head 0) in the pool */
     memset(acc, 0, sizeof(float) * (size_t)n_rows * hd);
     for (int j = 0; j < n_rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
     int page = t_begin / ps, slot = t_begin % ps; /* of the next token: no division per token */
     for (int t0 = t_begin; t0 < t_end; t0 += BLOCK) {
         int n = t_end - t0 < BLOCK ? t_end - t0 : BLOCK;
         for (int t = 0; t < n; t++) {
-            row0[t] = ((size_t)pages[page] * ps + slot) * kvh * hd;
+            size_t off = ((size_t)pages[page] * ps + slot) * row;
             if (++slot == ps) { slot = 0; page++; }
+            load_row(k_cache, off, bf16, (int)row, kb + t * row, 1.f);
+            load_row(v_cache, off, bf16, (int)row, vb + t * row, 1.f);
         }
         for (int h = 0; h < kvh; h++) {
             for (int t = 0; t < n; t++) {
-                size_t off = row0[t] + (size_t)h * hd;
-                if (bf16) {
-                    load_row(k_cache, off, 1, hd, kb + (size_t)t * hd, 1.f);
-                    load_row(v_cache, off, 1, hd, vb + (size_t)t * hd, 1.f);
-                    kp[t] = kb + (size_t)t * hd;
-                    vp[t] = vb + (size_t)t * hd;
-                } else {
-                    kp[t] = (const float *)k_cache + off;
-                    vp[t] = (const float *)v_cache + off;
-                }
+                kp[t] = kb + t * row + (size_t)h * hd;
+                vp[t] = vb + t * row + (size_t)h * hd;
             }
             for (int j = h * rows; j < (h + 1) * rows; j++) {
                 scores_rows(qf + (size_t)j * hd, kp, n, hd, s);

@@ -1,0 +1,152 @@
+"""One decode step's attention on this CPU: the kernel as it is against another revision's.
+
+Builds `runtime/attention/paged_decode.c` from the working tree and from `--base` (a git
+revision) with cpu_kernel's flags, and times every layer's decode attention of one step over
+a KV pool of scattered pages, the two libraries alternated in one process, each round's time
+kept and the third-fastest of `--rounds` shown (other load only ever adds time). Beside them, a
+plain AVX2 read of the same pages, all heads, K and V (a few lines of C built here too): the
+memory floor of a kernel that reads the context once. `--cached` reuses one layer's pool for
+every layer, so a small context stays in the CPU's caches: the kernels' math alone.
+The shape defaults to SmolLM2-135M's (30 layers, 3 KV heads of 3 query rows, head size 64,
+16-token pages) and a chat step's 30 decodes over 600 tokens, in fp32 (the engine's dtype on a
+CPU without AVX-512 BF16).
+
+    python bench/cpu_decode_attention.py --base 2a256f1
+    python bench/cpu_decode_attention.py --base 2a256f1 --seqs 4 --cached
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+import torch
+
+from runtime.attention import cpu_kernel
+
+PLAIN_READ = r"""
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+float plain_read(const float *k, const float *v, const int32_t *table, int max_pages,
+                 const int32_t *lens, int seqs, int row, int ps, int threads) {
+    float total = 0.f;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(+:total)
+    for (int s = 0; s < seqs; s++) {
+        __m256 a = _mm256_setzero_ps(), b = a;
+        for (int pos = 0; pos < lens[s]; pos++) {
+            size_t off = ((size_t)table[(size_t)s * max_pages + pos / ps] * ps + pos % ps) * row;
+            for (int d = 0; d < row; d += 8) {
+                a = _mm256_add_ps(a, _mm256_loadu_ps(k + off + d));
+                b = _mm256_add_ps(b, _mm256_loadu_ps(v + off + d));
+            }
+        }
+        float t[8];
+        _mm256_storeu_ps(t, _mm256_add_ps(a, b));
+        total += t[0];
+    }
+    return total;
+}
+"""
+
+
+def build(source: str, out: Path) -> ctypes.CDLL:
+    src = out.with_suffix(".c")
+    src.write_text(source)
+    subprocess.run(["gcc", *cpu_kernel.FLAGS, str(src), "-o", str(out), *cpu_kernel.LIBS],
+                   check=True, capture_output=True, text=True)
+    return ctypes.CDLL(str(out))
+
+
+def kernel(source: str, out: Path) -> ctypes.CDLL:
+    """The decode kernel built from `source`, its entry point typed as cpu_kernel types it."""
+    lib = build(source, out)
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.paged_decode.argtypes = [p, i, p, p, p, i, p, i, i, i, i, ctypes.c_float, i, i, i, p, p]
+    lib.paged_decode.restype = i
+    return lib
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", required=True, help="git revision whose kernel to compare against")
+    ap.add_argument("--seqs", type=int, default=30)
+    ap.add_argument("--context", type=int, default=600, help="tokens of KV each decode reads")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=3, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--cached", action="store_true", help="one layer's pool for every layer")
+    args = ap.parse_args(argv)
+
+    base_src = subprocess.run(["git", "show", f"{args.base}:runtime/attention/paged_decode.c"],
+                              cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    dtype = getattr(torch, args.dtype)
+    s, ps, kvh, hd = args.seqs, args.page_size, args.kv_heads, args.head_dim
+    pages = -(-args.context // ps)
+    gen = torch.Generator().manual_seed(0)
+    n_pools = 1 if args.cached else args.layers
+    pools = [torch.randn(2, s * pages, ps, kvh, hd, generator=gen).to(dtype) for _ in range(n_pools)]
+    table = torch.randperm(s * pages, generator=gen).to(torch.int32).view(s, pages).contiguous()
+    lens = torch.full((s,), args.context, dtype=torch.int32)
+    q = torch.randn(s, kvh, args.rows, hd, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {args.base: kernel(base_src, Path(tmp) / "base.so"),
+                "working tree": kernel(cpu_kernel.SOURCE.read_text(), Path(tmp) / "tree.so")}
+        reader = build(PLAIN_READ, Path(tmp) / "read.so")
+        p, i = ctypes.c_void_p, ctypes.c_int
+        reader.plain_read.argtypes = [p, p, p, i, p, i, i, i, i]
+        reader.plain_read.restype = ctypes.c_float
+
+        def step(name: str) -> torch.Tensor | None:
+            out = None
+            for layer in range(args.layers):
+                k, v = pools[layer % n_pools]
+                if name == "plain read":
+                    reader.plain_read(k.data_ptr(), v.data_ptr(), table.data_ptr(), pages,
+                                      lens.data_ptr(), s, kvh * hd, ps, threads)
+                else:
+                    out, _ = cpu_kernel.paged_decode(libs[name], q, k, v, ps, table, lens,
+                                                     hd**-0.5)
+            return out
+
+        names = [*libs, "plain read"] if dtype == torch.float32 else list(libs)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        outs = {}
+        for _ in range(args.rounds):
+            for name in names:
+                start = time.perf_counter()
+                outs[name] = step(name)
+                times[name].append(time.perf_counter() - start)
+    read = s * args.context * kvh * hd * 2 * pools[0].element_size() * args.layers
+    base_s = sorted(times[args.base])[min(2, args.rounds - 1)]
+    print(f"{s} decodes x {args.context} tokens, {args.layers} layers, {kvh} KV heads x "
+          f"{args.rows} rows, head size {hd}, {args.dtype}, {threads} threads"
+          f"{', cached' if args.cached else ''}: {read / 1e6:.0f} MB of KV a step")
+    print("| kernel | ms a step | GB/s of KV | against the base |")
+    print("|---|---|---|---|")
+    for name in names:
+        t = sorted(times[name])[min(2, args.rounds - 1)]
+        print(f"| {name} | {t * 1e3:.1f} | {read / t / 1e9:.1f} | {t / base_s:.2f}x |")
+    base_out, tree_out = outs[args.base], outs["working tree"]
+    if base_out is not None and tree_out is not None:
+        diff = (base_out.float() - tree_out.float()).abs().max().item()
+        print(f"largest difference between the two kernels' outputs: {diff:.2g}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
