@@ -67,18 +67,10 @@ def build(source: str, out: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(out))
 
 
-def kernel(source: str, out: Path) -> ctypes.CDLL:
-    """The decode kernel built from `source`, its entry point typed as cpu_kernel types it."""
-    lib = build(source, out)
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.paged_decode.argtypes = [p, i, p, p, p, i, p, i, i, i, i, ctypes.c_float, i, i, i, p, p]
-    lib.paged_decode.restype = i
-    return lib
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base", required=True, help="git revision whose kernel to compare against")
+    ap.add_argument("--base", required=True,
+                    help="git revision whose kernel to compare against (one with the same functions)")
     ap.add_argument("--seqs", type=int, default=30)
     ap.add_argument("--context", type=int, default=600, help="tokens of KV each decode reads")
     ap.add_argument("--layers", type=int, default=30)
@@ -104,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.randn(s, kvh, args.rows, hd, generator=gen).to(dtype)
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {args.base: kernel(base_src, Path(tmp) / "base.so"),
-                "working tree": kernel(cpu_kernel.SOURCE.read_text(), Path(tmp) / "tree.so")}
+        libs = {args.base: cpu_kernel.declare(build(base_src, Path(tmp) / "base.so")),
+                "working tree": cpu_kernel.declare(build(cpu_kernel.SOURCE.read_text(),
+                                                         Path(tmp) / "tree.so"))}
         reader = build(PLAIN_READ, Path(tmp) / "read.so")
         p, i = ctypes.c_void_p, ctypes.c_int
         reader.plain_read.argtypes = [p, p, p, i, p, i, i, i, i]

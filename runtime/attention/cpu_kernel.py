@@ -94,6 +94,11 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("CPU attention kernel not built (%s): falling back to gather + SDPA", detail)
         return None
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (a build of paged_decode.c) with its functions' C signatures set for ctypes."""
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.paged_decode.argtypes = [p, i, p, p, p, i, p, i, i, i, i, ctypes.c_float, i, i, i, p, p]
     lib.paged_decode.restype = i

@@ -555,9 +555,8 @@ class BlendPolicy:
 
     def _kv_forecast(self, used: float) -> KvForecast | None:
         """The KV in use over the coming steps, `used` now (queued prompts included), as the
-        run's lengths forecast the running requests' growth and finishes (KvForecast), or None
-        until enough outputs have ended on their own (RunLengths.survival_known). What is in
-        use beyond the running requests' own tokens (shared prefixes, part-filled pages) stays."""
+        run's lengths forecast the running requests' growth and finishes (KvForecast); None
+        until RunLengths.survival_known. KV beyond the running requests' own tokens stays."""
         if not self._lengths.survival_known:
             return None
         reqs, prompt, generated, lag = self._running()
@@ -565,7 +564,8 @@ class BlendPolicy:
         limit = np.where(known, self._known[reqs], self._max_tokens[reqs]).astype(np.float64)
         now = generated_by_now(generated, lag, limit - 1.0)
         survival = self._lengths.survival(reqs, now)
-        assert survival is not None  # survival_known
+        if survival is None:
+            return None
         held = prompt + now
         forecast = KvForecast(survival, float(self._max_tokens.max()), KV_FORECAST_Z,
                               used - float(held.sum()))
