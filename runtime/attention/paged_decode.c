@@ -14,10 +14,14 @@
  *   (attend_chunk_bf16): tiles of 16 tokens, one per lane; K is transposed in registers so a
  *   row's 16 scores are bf16 pair dot products (vdpbf16ps) with no horizontal sums, P·V is
  *   vdpbf16ps over token pairs, and every long dependency chain is split in four (~1.5× the
- *   AVX-512 path on a 2-core EPYC); query rows go two at a time, so each K and V load serves
- *   both and their dependency chains interleave (1.3-1.4× on cascade groups and prefill), and
- *   each head's K and V are asked for two tiles ahead (prefetch_kv: ~1.85× on decode steps whose
- *   contexts do not fit in cache);
+ *   AVX-512 path on a 2-core EPYC); query rows go three at a time (two where four are left), so
+ *   each K and V load serves them all and their dependency chains interleave (pairs: 1.3-1.4×
+ *   single rows on cascade groups and prefill; threes: prefill attention in 0.82-0.92× the time
+ *   of pairs on a Zen 5, decode rows of SmolLM2's groups of 3 in cache 0.97×); the softmax's
+ *   rescale factor skips its exp while a row's max holds (0.86× in cache); each row's sums run
+ *   in the same order however rows are grouped; and each head's K and V are asked for two tiles
+ *   ahead (prefetch_kv: ~1.85× on decode steps whose contexts do not fit in cache; from DRAM
+ *   neither change above moves decode's time);
  * - AVX-512 and a head size that is a multiple of 16: explicit 16-lane scores and V sums;
  * - otherwise (attend_chunk_rows) a block's K and V copied in the pool's order, then eight
  *   tokens' scores at a time (AVX2) and the prefill path's V sum in registers: on a Zen 3,
@@ -500,55 +504,53 @@ static inline void pv_accumulate_bf16(float *acc, float corr, const uint32_t *pp
     }
 }
 
-/* pv_accumulate_bf16 for two rows at once: each V pair loaded once serves both, and the two
- * rows' eight dpbf16 chains hide each other's latency. npairs: the longer row's (P is zero past
- * a row's own tokens). */
-static inline void pv_accumulate2_bf16(float *acc_a, float corr_a, const uint32_t *pp_a,
-                                       float *acc_b, float corr_b, const uint32_t *pp_b,
-                                       const uint16_t *vi, int npairs, int hd) {
-    const __m512 ca = _mm512_set1_ps(corr_a), cb = _mm512_set1_ps(corr_b);
+/* pv_accumulate_bf16 for nr (2 or 3) rows at once: each V pair loaded once serves them all, and
+ * their 2·nr dpbf16 chains hide each other's latency. npairs: the longest row's (P is zero past
+ * a row's own tokens). Inlined with a constant nr: the loops over rows unroll into registers. */
+static inline void pv_accumulate_rows_bf16(float *const *acc, const float *corr,
+                                           const uint32_t (*pp)[TILE / 2], int nr,
+                                           const uint16_t *vi, int npairs, int hd) {
     for (int d = 0; d < hd; d += 32) {
-        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc_a + d), ca);
-        __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(acc_a + d + 16), ca);
-        __m512 b0 = _mm512_mul_ps(_mm512_loadu_ps(acc_b + d), cb);
-        __m512 b1 = _mm512_mul_ps(_mm512_loadu_ps(acc_b + d + 16), cb);
+        __m512 x0[3], x1[3];
+        for (int r = 0; r < nr; r++) {
+            const __m512 c = _mm512_set1_ps(corr[r]);
+            x0[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d), c);
+            x1[r] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d + 16), c);
+        }
         for (int k = 0; k < npairs; k++) {
             const uint16_t *v = vi + ((size_t)k * hd + d) * 2;
             __m512bh v0 = (__m512bh)_mm512_loadu_si512(v), v1 = (__m512bh)_mm512_loadu_si512(v + 32);
-            __m512bh wa = (__m512bh)_mm512_set1_epi32((int)pp_a[k]);
-            __m512bh wb = (__m512bh)_mm512_set1_epi32((int)pp_b[k]);
-            a0 = _mm512_dpbf16_ps(a0, wa, v0);
-            a1 = _mm512_dpbf16_ps(a1, wa, v1);
-            b0 = _mm512_dpbf16_ps(b0, wb, v0);
-            b1 = _mm512_dpbf16_ps(b1, wb, v1);
+            for (int r = 0; r < nr; r++) {
+                __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[r][k]);
+                x0[r] = _mm512_dpbf16_ps(x0[r], w, v0);
+                x1[r] = _mm512_dpbf16_ps(x1[r], w, v1);
+            }
         }
-        _mm512_storeu_ps(acc_a + d, a0);
-        _mm512_storeu_ps(acc_a + d + 16, a1);
-        _mm512_storeu_ps(acc_b + d, b0);
-        _mm512_storeu_ps(acc_b + d + 16, b1);
+        for (int r = 0; r < nr; r++) {
+            _mm512_storeu_ps(acc[r] + d, x0[r]);
+            _mm512_storeu_ps(acc[r] + d + 16, x1[r]);
+        }
     }
 }
 
-/* The scaled scores of query rows qa and (if qb) qb against a tile's transposed K kt [hd/2 pairs]
+/* The scaled scores of nr (1-3) query rows q[r] against a tile's transposed K kt [hd/2 pairs]
  * [16 tokens], -inf past each row's valid tokens: bf16 pair dot products (vdpbf16ps), four
- * chains a row, each K pair loaded once for both rows. */
-static inline void tile_scores(const uint32_t *qa, const uint32_t *qb, const uint32_t *kt,
-                               int pairs, float scale, __mmask16 valid_a, __mmask16 valid_b,
-                               __m512 *sa, __m512 *sb) {
-    __m512 a[4], b[4];
-    for (int u = 0; u < 4; u++) a[u] = b[u] = _mm512_setzero_ps();
+ * chains a row, each K pair loaded once for every row. Inlined with a constant nr. */
+static inline void tile_scores(const uint32_t *const *q, int nr, const uint32_t *kt, int pairs,
+                               float scale, const __mmask16 *valid, __m512 *sc) {
+    __m512 a[3][4];
+    for (int r = 0; r < nr; r++)
+        for (int u = 0; u < 4; u++) a[r][u] = _mm512_setzero_ps();
     for (int i = 0; i < pairs; i += 4)
         for (int u = 0; u < 4; u++) {
             __m512bh k = (__m512bh)_mm512_loadu_si512(kt + (size_t)(i + u) * TILE);
-            a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_set1_epi32((int)qa[i + u]), k);
-            if (qb) b[u] = _mm512_dpbf16_ps(b[u], (__m512bh)_mm512_set1_epi32((int)qb[i + u]), k);
+            for (int r = 0; r < nr; r++)
+                a[r][u] = _mm512_dpbf16_ps(a[r][u], (__m512bh)_mm512_set1_epi32((int)q[r][i + u]), k);
         }
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    __m512 x = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-    *sa = _mm512_mask_blend_ps(valid_a, ninf, _mm512_mul_ps(x, vscale));
-    if (qb) {
-        x = _mm512_add_ps(_mm512_add_ps(b[0], b[1]), _mm512_add_ps(b[2], b[3]));
-        *sb = _mm512_mask_blend_ps(valid_b, ninf, _mm512_mul_ps(x, vscale));
+    for (int r = 0; r < nr; r++) {
+        __m512 x = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3]));
+        sc[r] = _mm512_mask_blend_ps(valid[r], ninf, _mm512_mul_ps(x, vscale));
     }
 }
 
@@ -559,7 +561,8 @@ static inline void tile_scores(const uint32_t *qa, const uint32_t *qb, const uin
 static inline float tile_softmax(__m512 sc, __mmask16 valid, float *mx, float *sum, uint32_t *pp) {
     float m = _mm512_reduce_max_ps(sc);
     m = m > *mx ? m : *mx;
-    float corr = expf(*mx - m); /* *mx = -inf at the first tile: 0 */
+    /* exp(*mx - m): 1 while the max holds (most tiles), 0 at the first (*mx = -inf) */
+    float corr = m == *mx ? 1.f : *mx == -INFINITY ? 0.f : expf(*mx - m);
     __m512 e = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
     __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
     __m512 er = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
@@ -582,7 +585,7 @@ static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, fl
                              const int32_t *pages, int t_begin, int t_end, int hd, int ps,
                              float *acc, float *mx, float *sum, uint32_t *kt, float *vb) {
     int pairs = hd / 2;
-    uint32_t pp[TILE / 2], pp2[TILE / 2]; /* P of tokens 2k, 2k+1 as one bf16 pair */
+    uint32_t pp[3][TILE / 2]; /* each row's P of tokens 2k, 2k+1 as one bf16 pair */
     uint16_t *vi = (uint16_t *)vb; /* [TILE / 2][hd][2] bf16: V of token pairs, interleaved */
     size_t off[TILE];
     const __m512i lo = _mm512_loadu_si512(INTERLEAVE_LO), hi = _mm512_loadu_si512(INTERLEAVE_HI);
@@ -616,27 +619,42 @@ static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, fl
                 _mm512_storeu_si512(vi + ((size_t)(t / 2) * hd + d + 16) * 2, _mm512_permutex2var_epi16(a, hi, b));
             }
         }
-        for (int j = 0; j < rows; j++) { /* rows two at a time: each K and V load serves both */
-            if (row_end && row_end[j] <= t0) continue;
-            int j2 = j + 1; /* the next row that reads this tile */
-            while (row_end && j2 < rows && row_end[j2] <= t0) j2++;
-            int two = j2 < rows;
-            int na = row_end && row_end[j] - t0 < n ? row_end[j] - t0 : n;
-            int nb = two && row_end && row_end[j2] - t0 < n ? row_end[j2] - t0 : n;
-            __mmask16 mask_a = (__mmask16)((1u << na) - 1), mask_b = (__mmask16)((1u << nb) - 1);
-            __m512 sa, sb = _mm512_setzero_ps();
-            tile_scores((const uint32_t *)(q + (size_t)j * hd),
-                        two ? (const uint32_t *)(q + (size_t)j2 * hd) : NULL, kt, pairs, scale,
-                        mask_a, mask_b, &sa, &sb);
-            float ca = tile_softmax(sa, mask_a, mx + j, sum + j, pp);
-            if (!two) {
-                pv_accumulate_bf16(acc + (size_t)j * hd, ca, pp, vi, (na + 1) / 2, hd);
-                break;
+        int active = 0; /* rows that read this tile */
+        for (int j = 0; j < rows; j++) active += !row_end || row_end[j] > t0;
+        /* Rows three at a time (two where four are left, so no row runs alone): each K and V
+         * load serves them all, and a lone row's four dpbf16 chains wait on their latency. */
+        for (int j = 0; active > 0;) {
+            int nr = active == 4 || active == 2 ? 2 : active == 1 ? 1 : 3;
+            int idx[3], len[3];
+            for (int r = 0; r < nr; j++) {
+                if (row_end && row_end[j] <= t0) continue;
+                idx[r] = j;
+                len[r++] = row_end && row_end[j] - t0 < n ? row_end[j] - t0 : n;
             }
-            float cb = tile_softmax(sb, mask_b, mx + j2, sum + j2, pp2);
-            pv_accumulate2_bf16(acc + (size_t)j * hd, ca, pp, acc + (size_t)j2 * hd, cb, pp2, vi,
-                                ((na > nb ? na : nb) + 1) / 2, hd);
-            j = j2;
+            active -= nr;
+            const uint32_t *qr[3];
+            float *ar[3], corr[3];
+            __mmask16 mask[3];
+            __m512 sc[3];
+            int longest = 0;
+            for (int r = 0; r < nr; r++) {
+                qr[r] = (const uint32_t *)(q + (size_t)idx[r] * hd);
+                ar[r] = acc + (size_t)idx[r] * hd;
+                mask[r] = (__mmask16)((1u << len[r]) - 1);
+                longest = len[r] > longest ? len[r] : longest;
+            }
+            if (nr == 1) {
+                tile_scores(qr, 1, kt, pairs, scale, mask, sc);
+                corr[0] = tile_softmax(sc[0], mask[0], mx + idx[0], sum + idx[0], pp[0]);
+                pv_accumulate_bf16(ar[0], corr[0], pp[0], vi, (len[0] + 1) / 2, hd);
+                continue;
+            }
+            if (nr == 2) tile_scores(qr, 2, kt, pairs, scale, mask, sc);
+            else tile_scores(qr, 3, kt, pairs, scale, mask, sc);
+            for (int r = 0; r < nr; r++)
+                corr[r] = tile_softmax(sc[r], mask[r], mx + idx[r], sum + idx[r], pp[r]);
+            if (nr == 2) pv_accumulate_rows_bf16(ar, corr, pp, 2, vi, (longest + 1) / 2, hd);
+            else pv_accumulate_rows_bf16(ar, corr, pp, 3, vi, (longest + 1) / 2, hd);
         }
     }
 }

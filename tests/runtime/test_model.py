@@ -183,9 +183,13 @@ def test_decode_length_buckets_equal_one_padded_batch() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # 64: the 16-lane (AVX-512) or 8-lane (AVX2) path; 24: 8-lane on AVX2; 20: plain loops everywhere
 @pytest.mark.parametrize("head_dim", [64, 24, 20], ids=["hd64", "hd24", "hd20"])
-def test_in_place_decode_kernel_equals_gathered_sdpa(dtype: torch.dtype, head_dim: int) -> None:
+# query heads per KV head 1, 3, 4, 5: the bf16 path takes a KV head's rows 3 at a time, 2 where 4
+# are left, 1 alone
+@pytest.mark.parametrize("heads", [2, 6, 8, 10], ids=["g1", "g3", "g4", "g5"])
+def test_in_place_decode_kernel_equals_gathered_sdpa(dtype: torch.dtype, head_dim: int,
+                                                     heads: int) -> None:
     """Contexts of 1 token up to several kernel chunks (split and merged), pages scattered."""
-    ps, n, heads, kv_heads = 16, 12, 6, 2
+    ps, n, kv_heads = 16, 12, 2
     kv_lens = [1, 2, 15, 16, 17, 100, 255, 256, 257, 600, 1000, 31]
     pool = PagedKVPool(num_layers=1, num_pages=256, page_size=ps, kv_heads=kv_heads,
                        head_dim=head_dim, dtype=dtype)
