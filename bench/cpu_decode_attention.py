@@ -1,10 +1,10 @@
 """One decode step's attention on this CPU: the kernel as it is against another revision's.
 
-Builds `runtime/attention/paged_decode.c` from the working tree and from `--base` (a git
-revision) with cpu_kernel's flags, and times every layer's decode attention of one step over
-a KV pool of scattered pages, the two libraries alternated in one process, each round's time
-kept and the third-fastest of `--rounds` shown (other load only ever adds time). Beside them, a
-plain AVX2 read of the same pages, all heads, K and V (a few lines of C built here too): the
+Builds the kernel library (`runtime/attention/paged_decode.c` and the sources beside it) from
+the working tree and from `--base` (a git revision) with cpu_kernel's flags, and times every
+layer's decode attention of one step over a KV pool of scattered pages, the two libraries
+alternated in one process, each round's time kept and the third-fastest of `--rounds` shown
+(other load only ever adds time). Beside them, a plain AVX2 read of the same pages, all heads, K and V (a few lines of C built here too): the
 memory floor of a kernel that reads the context once. `--cached` reuses one layer's pool for
 every layer, so a small context stays in the CPU's caches: the kernels' math alone.
 The shape defaults to SmolLM2-135M's (30 layers, 3 KV heads of 3 query rows, head size 64,
@@ -59,12 +59,28 @@ float plain_read(const float *k, const float *v, const int32_t *table, int max_p
 """
 
 
-def build(source: str, out: Path) -> ctypes.CDLL:
-    src = out.with_suffix(".c")
-    src.write_text(source)
-    subprocess.run(["gcc", *cpu_kernel.FLAGS, str(src), "-o", str(out), *cpu_kernel.LIBS],
+def build(sources: list[Path], out: Path) -> ctypes.CDLL:
+    subprocess.run(["gcc", *cpu_kernel.FLAGS, *map(str, sources), "-o", str(out), *cpu_kernel.LIBS],
                    check=True, capture_output=True, text=True)
     return ctypes.CDLL(str(out))
+
+
+def checkout_kernel(rev: str, folder: Path) -> list[Path]:
+    """The kernel library's C sources (and headers) as they were at `rev`, written into folder
+    (a revision from before the split into several files has paged_decode.c alone)."""
+    folder.mkdir()
+    sources = []
+    for path in (*cpu_kernel.SOURCES, *cpu_kernel.HEADERS):
+        rel = path.relative_to(ROOT).as_posix()
+        shown = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, check=False,
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            (folder / path.name).write_text(shown.stdout)
+            if path.suffix == ".c":
+                sources.append(folder / path.name)
+    if not sources:
+        raise SystemExit(f"no kernel sources at {rev}")
+    return sources
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cached", action="store_true", help="one layer's pool for every layer")
     args = ap.parse_args(argv)
 
-    base_src = subprocess.run(["git", "show", f"{args.base}:runtime/attention/paged_decode.c"],
-                              cwd=ROOT, check=True, capture_output=True, text=True).stdout
     dtype = getattr(torch, args.dtype)
     s, ps, kvh, hd = args.seqs, args.page_size, args.kv_heads, args.head_dim
     pages = -(-args.context // ps)
@@ -96,10 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.randn(s, kvh, args.rows, hd, generator=gen).to(dtype)
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {args.base: cpu_kernel.declare(build(base_src, Path(tmp) / "base.so")),
-                "working tree": cpu_kernel.declare(build(cpu_kernel.SOURCE.read_text(),
-                                                         Path(tmp) / "tree.so"))}
-        reader = build(PLAIN_READ, Path(tmp) / "read.so")
+        base = build(checkout_kernel(args.base, Path(tmp) / "base"), Path(tmp) / "base.so")
+        tree = build(list(cpu_kernel.SOURCES), Path(tmp) / "tree.so")
+        libs = {args.base: cpu_kernel.declare(base, ["paged_decode"]),
+                "working tree": cpu_kernel.declare(tree, ["paged_decode"])}
+        (Path(tmp) / "read.c").write_text(PLAIN_READ)
+        reader = build([Path(tmp) / "read.c"], Path(tmp) / "read.so")
         p, i = ctypes.c_void_p, ctypes.c_int
         reader.plain_read.argtypes = [p, p, p, i, p, i, i, i, i]
         reader.plain_read.restype = ctypes.c_float

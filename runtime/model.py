@@ -13,7 +13,7 @@ as two rows: oneDNN's one-row kernel sums a row in another order than its many-r
 1,536-wide down projection came out ~2e-4 of elements a rounding apart), which made a request's
 greedy tokens depend on what else ran in its steps (runtime/README.md: batch-invariant). In bf16 the
 RMSNorms, RoPE and SiLU·up run as one C pass each (cpu_kernel's elementwise ops, rounding where
-the torch op chains they replace round; the norm sums in its own order, see paged_decode.c);
+the torch op chains they replace round; the norm sums in its own order, see cpu_ops.c);
 BLENDSERVE_FUSED_OPS=0 keeps the chains.
 """
 

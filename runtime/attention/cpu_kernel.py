@@ -1,11 +1,12 @@
-"""The CPU paged attention kernels (paged_decode.c): built at first use, called by ctypes.
+"""The CPU kernels (paged_decode.c, cpu_ops.c): built at first use, called by ctypes.
 
 Decode attention on a CPU is a memory-bound read of every running sequence's context. Gathering
 the pages into a dense copy before SDPA reads and writes that context twice more, and padding to
 the longest sequence adds more; the kernel reads each page in place instead (vLLM's CPU backend
 does the same with its own C++ kernels). `paged_prefill` does the same for prefill chunks, causal
 (bf16 with AVX512-BF16 in its fastest path, any other dtype and CPU in plain vectorised loops).
-The same library holds the model's fused bf16 elementwise ops (`rms_norm`, `rope`, `silu_mul`).
+The same library holds, from cpu_ops.c, the model's fused bf16 elementwise ops (`rms_norm`,
+`rope`, `silu_mul`) and the greedy sampler's `argmax` (on AVX-512).
 
 The shared object is compiled with the system's C compiler (`gcc -O3 -march=native -fopenmp`)
 into `$BLENDSERVE_KERNEL_DIR` (default `~/.cache/blendserve/kernels`), keyed by the source, the
@@ -24,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
@@ -31,7 +33,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCE = Path(__file__).with_name("paged_decode.c")  # the attention
+SOURCES = (SOURCE, SOURCE.with_name("cpu_ops.c"))  # compiled into one library
+HEADERS = (SOURCE.with_name("cpu_common.h"),)
 # Reassociation lets the dot products and sums vectorise. Not -ffast-math: linking with it sets
 # flush-to-zero for the whole process (crtfastmath), changing everyone's floating point.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
@@ -56,7 +60,8 @@ def _cpu_id() -> str:
 
 def _build_key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version, _cpu_id()]).encode())
+    texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, *LIBS, version, _cpu_id()]).encode())
     return key.hexdigest()[:16]
 
 
@@ -73,7 +78,7 @@ def _build(cc: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), *LIBS], check=True,
+        subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), *LIBS], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(out, path)  # atomic: concurrent builders each write a whole file
     return path
@@ -97,21 +102,23 @@ def load() -> ctypes.CDLL | None:
     return declare(lib)
 
 
-def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` (a build of paged_decode.c) with its functions' C signatures set for ctypes."""
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.paged_decode.argtypes = [p, i, p, p, p, i, p, i, i, i, i, ctypes.c_float, i, i, i, p, p]
-    lib.paged_decode.restype = i
-    lib.paged_prefill.argtypes = [p, p, p, i, p, p, p, i, i, i, i, i, ctypes.c_float, i, i, p]
-    lib.paged_prefill.restype = i
-    lib.paged_prefill_supported.argtypes = [i, i]
-    lib.paged_prefill_supported.restype = i
-    lg, f = ctypes.c_long, ctypes.c_float
-    lib.rms_norm_bf16.argtypes = [p, lg, p, i, i, f, i, p]
-    lib.silu_mul_bf16.argtypes = [p, i, i, i, p]
-    lib.rope_bf16.argtypes = [p, lg, i, i, i, p, p, i, p]
-    for fn in (lib.rms_norm_bf16, lib.silu_mul_bf16, lib.rope_bf16):
-        fn.restype = None
+_p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+SIGNATURES = {  # the library's functions: (argument types, return type)
+    "paged_decode": ([_p, _i, _p, _p, _p, _i, _p, _i, _i, _i, _i, _f, _i, _i, _i, _p, _p], _i),
+    "paged_prefill": ([_p, _p, _p, _i, _p, _p, _p, _i, _i, _i, _i, _i, _f, _i, _i, _p], _i),
+    "paged_prefill_supported": ([_i, _i], _i),
+    "rms_norm_bf16": ([_p, _l, _p, _i, _i, _f, _i, _p], None),
+    "silu_mul_bf16": ([_p, _i, _i, _i, _p], None),
+    "rope_bf16": ([_p, _l, _i, _i, _i, _p, _p, _i, _p], None),
+    "argmax_rows": ([_p, _l, _i, _i, _i, _i, _p], _i),
+}
+
+
+def declare(lib: ctypes.CDLL, names: Iterable[str] = SIGNATURES) -> ctypes.CDLL:
+    """`lib` (a build of SOURCES) with the C signatures of its functions `names` set for ctypes."""
+    for name in names:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = SIGNATURES[name]
     return lib
 
 
@@ -158,7 +165,7 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     return out
 
 
-# The layer's elementwise ops in bf16 (paged_decode.c's last section): one pass each instead of
+# The layer's elementwise ops in bf16 (cpu_ops.c): one pass each instead of
 # a chain of torch ops, rounding where the chain rounds (the norm sums in its own order).
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -197,3 +204,13 @@ def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     lib.rope_bf16(x.data_ptr(), stride, t, heads, hd, cos.data_ptr(), sin.data_ptr(),
                   torch.get_num_threads(), out.data_ptr())
     return out
+
+
+def argmax(lib: ctypes.CDLL, x: torch.Tensor) -> list[int] | None:
+    """The first index of each row's maximum (of its first NaN, if any) of x [R, V] in a dtype
+    of DTYPES, as `x.max(-1).indices` gives; None where this build has no AVX-512 (use torch)."""
+    x, stride = _rows(x)
+    out = torch.empty(len(x), dtype=torch.int64)
+    rc = lib.argmax_rows(x.data_ptr(), stride, len(x), x.shape[-1], DTYPES[x.dtype],
+                         torch.get_num_threads(), out.data_ptr())
+    return None if rc != 0 else out.tolist()

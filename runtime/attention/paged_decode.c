@@ -51,32 +51,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #define BLOCK 32 /* tokens converted to fp32 and scored at once */
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
-    union { float f; uint32_t u; } v = { f };
-    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
-}
-
-/* 2^(n + f) for an integer n and |f| < 1: 2^f by its Taylor polynomial of degree 6 (relative
- * error < 1e-5 on [0, 1), ~1e-7 on [-1/2, 1/2]); plain arithmetic, so that loops over it
- * vectorise (libm's expf does not). */
-static inline float exp2_split(float n, float f) {
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.f;
-    union { int32_t i; float f; } two_n = { ((int32_t)n + 127) << 23 };
-    return p * two_n.f;
-}
 
 /* exp(x) for x <= 0, f in [0, 1): enough for a softmax. */
 static inline float exp_nonpos(float x) {
@@ -868,76 +845,4 @@ int paged_prefill(const void *q, const int32_t *q_start, const int32_t *kv_lens,
     }
     free(first);
     return failed ? -1 : 0;
-}
-
-/* ---- The layer's elementwise ops in bf16, fused (runtime/model.py on a CPU) ----------------
- * Each replaces a chain of torch ops that round every intermediate to bf16 and cost a pass over
- * memory and a dispatch apiece (an RMSNorm was five, a RoPE seven). The roundings are kept where
- * torch makes them: RoPE and SiLU·up match the chains to the bit; the RMSNorm adds its squares
- * in another order than torch's reduction, so now and then a value rounds the other way (a
- * model's greedy bf16 outputs can then part from the chains', as they part between batchings;
- * its logits are as far from an fp32 run's). Rows in parallel. */
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-/* exp(x) for |x| <= 87 to about an ulp, f in [-1/2, 1/2]: SiLU rounds as torch's exp does. */
-static inline float exp_ulp(float x) {
-    x = x < -87.f ? -87.f : x > 87.f ? 87.f : x; /* not fminf/fmaxf: those do not vectorise */
-    float t = x * 1.44269504f;
-    float n = rintf(t);
-    return exp2_split(n, t - n);
-}
-
-/* out [rows, n] = w · bf16(x / rms(x)), normalised in fp32 (as transformers' LlamaRMSNorm);
- * x rows `x_stride` elements apart. */
-void rms_norm_bf16(const uint16_t *x, long x_stride, const uint16_t *w, int rows, int n,
-                   float eps, int threads, uint16_t *out) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
-    for (int t = 0; t < rows; t++) {
-        const uint16_t *xr = x + (size_t)t * x_stride;
-        uint16_t *o = out + (size_t)t * n;
-        float ss = 0.f;
-        for (int i = 0; i < n; i++) {
-            float v = bf16_to_f32(xr[i]);
-            ss += v * v;
-        }
-        float r = 1.f / sqrtf(ss / (float)n + eps);
-        for (int i = 0; i < n; i++)
-            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(xr[i]) * r));
-    }
-}
-
-/* gu [rows, 2n] (gate | up) -> out [rows, n] = bf16(silu(gate)) · up. */
-void silu_mul_bf16(const uint16_t *gu, int rows, int n, int threads, uint16_t *out) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
-    for (int t = 0; t < rows; t++) {
-        const uint16_t *g = gu + (size_t)t * 2 * n, *u = g + n;
-        uint16_t *o = out + (size_t)t * n;
-        for (int i = 0; i < n; i++) {
-            float x = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_bf16(x / (1.f + exp_ulp(-x))) * bf16_to_f32(u[i]));
-        }
-    }
-}
-
-/* Rotate-half RoPE: x rows `x_stride` elements apart, each `heads` heads of hd; cos, sin
- * [rows, hd/2] -> out [rows, heads, hd] = (x1·cos − x2·sin, x2·cos + x1·sin), each product and
- * each sum rounded to bf16 as torch's bf16 ops round them. */
-void rope_bf16(const uint16_t *x, long x_stride, int rows, int heads, int hd,
-               const uint16_t *cos_, const uint16_t *sin_, int threads, uint16_t *out) {
-    int half = hd / 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
-    for (int t = 0; t < rows; t++) {
-        const uint16_t *c = cos_ + (size_t)t * half, *s = sin_ + (size_t)t * half;
-        for (int h = 0; h < heads; h++) {
-            const uint16_t *xr = x + (size_t)t * x_stride + (size_t)h * hd;
-            uint16_t *o = out + ((size_t)t * heads + h) * hd;
-            for (int i = 0; i < half; i++) {
-                float x1 = bf16_to_f32(xr[i]), x2 = bf16_to_f32(xr[i + half]);
-                float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
-                o[i] = f32_to_bf16(round_bf16(x1 * ci) - round_bf16(x2 * si));
-                o[i + half] = f32_to_bf16(round_bf16(x2 * ci) + round_bf16(x1 * si));
-            }
-        }
-    }
 }

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from runtime.sampler import Sampler, SamplingState, StopChecker
+from runtime.attention import cpu_kernel
+from runtime.sampler import Sampler, SamplingState, StopChecker, greedy_tokens
 from runtime.types import SamplingParams
 from tests.runtime.factories import WordTokenizer
 
@@ -111,3 +113,35 @@ def test_stop_strings_are_checked_without_decoding_the_whole_output_each_token()
     assert Counting.decoded < 10 * n  # linear in the output; a full re-decode would be ~n²/2
     ids, text, _ = checker.result()
     assert text.endswith("w53 ") and "w999" not in text and ids[-1] == 53
+
+
+def _awkward_logits(dtype: torch.dtype) -> torch.Tensor:
+    """Rows of 49,157 (not a multiple of 16) with ties, NaNs, infinities, a max in the tail."""
+    x = torch.randn(9, 49157, generator=torch.Generator().manual_seed(8)).to(dtype)
+    x[0, [5, 900]] = float("nan")  # the first NaN wins, as in torch
+    x[1] = float("-inf")  # index 0
+    x[2] = 1.0  # all tied: index 0
+    x[3, [7000, 7001, 49000]] = 50.0  # the first of three tied maxima
+    x[4, [3, 40000]] = float("inf")
+    x[5, 49156] = 60.0  # the last element, in the partial 16-lane tail
+    x[6, 49150] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_tokens_are_torchs_first_max_on_ties_nans_and_infinities(dtype: torch.dtype) -> None:
+    x = _awkward_logits(dtype)
+    assert greedy_tokens(x) == x.max(-1).indices.tolist()
+    strided = _awkward_logits(dtype)[:, :40001]  # rows 49,157 apart
+    assert greedy_tokens(strided) == strided.max(-1).indices.tolist()
+    assert greedy_tokens(x[:1]) == [x[0].max(-1).indices.item()]
+
+
+def test_greedy_tokens_take_the_kernel_argmax_where_the_cpu_has_avx512() -> None:
+    with open("/proc/cpuinfo") as f:
+        if " avx512f" not in next((line for line in f if line.startswith("flags")), ""):
+            pytest.skip("no AVX-512 here: greedy_tokens keeps torch's max")
+    lib = cpu_kernel.load()
+    assert lib is not None, "the CPU kernel did not build here"
+    x = _awkward_logits(torch.bfloat16)
+    assert cpu_kernel.argmax(lib, x) == x.max(-1).indices.tolist()
