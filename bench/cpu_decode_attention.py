@@ -4,9 +4,10 @@ Builds the kernel library (`runtime/attention/paged_decode.c` and the sources be
 the working tree and from `--base` (a git revision) with cpu_kernel's flags, and times every
 layer's decode attention of one step over a KV pool of scattered pages, the two libraries
 alternated in one process, each round's time kept and the third-fastest of `--rounds` shown
-(other load only ever adds time). Beside them, a plain AVX2 read of the same pages, all heads, K and V (a few lines of C built here too): the
-memory floor of a kernel that reads the context once. `--cached` reuses one layer's pool for
-every layer, so a small context stays in the CPU's caches: the kernels' math alone.
+(other load only ever adds time). Beside them, a plain AVX2 read of the same pages, all heads,
+K and V (a few lines of C built here too): the memory floor of a kernel that reads the context
+once. `--cached` reuses one layer's pool for every layer, so a small context stays in the
+CPU's caches: the kernels' math alone.
 The shape defaults to SmolLM2-135M's (30 layers, 3 KV heads of 3 query rows, head size 64,
 16-token pages) and a chat step's 30 decodes over 600 tokens, in fp32 (the engine's dtype on a
 CPU without AVX-512 BF16).

@@ -9,7 +9,7 @@ The same library holds, from cpu_ops.c, the model's fused bf16 elementwise ops (
 `rope`, `silu_mul`) and the greedy sampler's `argmax` (on AVX-512).
 
 The shared object is compiled with the system's C compiler (`gcc -O3 -march=native -fopenmp`)
-into `$BLENDSERVE_KERNEL_DIR` (default `~/.cache/blendserve/kernels`), keyed by the source, the
+into `$BLENDSERVE_KERNEL_DIR` (default `~/.cache/blendserve/kernels`), keyed by the sources, the
 flags, the compiler and the CPU, in under a second. OpenMP comes from the libgomp torch has
 already loaded, so the kernel and torch's ops share one thread pool. Without a compiler
 `load()` returns None and the torch backend keeps its gather + SDPA path.
@@ -165,8 +165,8 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     return out
 
 
-# The layer's elementwise ops in bf16 (cpu_ops.c): one pass each instead of
-# a chain of torch ops, rounding where the chain rounds (the norm sums in its own order).
+# The layer's elementwise ops in bf16 (cpu_ops.c): one pass each instead of a chain of torch
+# ops, rounding where the chain rounds (the norm sums in its own order).
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """x [rows, …] as (x, its row stride), copied unless each row is contiguous."""
