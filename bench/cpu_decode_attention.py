@@ -1,4 +1,5 @@
-"""One decode step's attention on this CPU: the kernel as it is against another revision's.
+"""One decode step's attention on this CPU (or, with --prefill, one step's prefill chunks'): the
+kernel as it is against another revision's.
 
 Builds the kernel library (`runtime/attention/paged_decode.c` and the sources beside it) from
 the working tree and from `--base` (a git revision) with cpu_kernel's flags, and times every
@@ -14,6 +15,8 @@ CPU without AVX-512 BF16).
 
     python bench/cpu_decode_attention.py --base 2a256f1
     python bench/cpu_decode_attention.py --base 2a256f1 --seqs 4 --cached
+    python bench/cpu_decode_attention.py --base d230cf1 --dtype bfloat16 --prefill 512 \
+        --seqs 2 --context 1024 --layers 4
 """
 
 from __future__ import annotations
@@ -98,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--cached", action="store_true", help="one layer's pool for every layer")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="time prefill instead: each sequence a chunk of its last N tokens "
+                         "(causal, over --context tokens)")
     args = ap.parse_args(argv)
+    if not 0 <= args.prefill <= args.context:
+        ap.error("--prefill takes 0 (decode) up to --context tokens")
 
     dtype = getattr(torch, args.dtype)
     s, ps, kvh, hd = args.seqs, args.page_size, args.kv_heads, args.head_dim
@@ -109,12 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     table = torch.randperm(s * pages, generator=gen).to(torch.int32).view(s, pages).contiguous()
     lens = torch.full((s,), args.context, dtype=torch.int32)
     q = torch.randn(s, kvh, args.rows, hd, generator=gen).to(dtype)
+    n = args.prefill
+    qp = torch.randn(s * n, kvh * args.rows, hd, generator=gen).to(dtype)  # [T, H, hd]
+    q_start = torch.arange(0, s * n + 1, max(n, 1), dtype=torch.int32)[: s + 1]
+    fn = "paged_prefill" if n else "paged_decode"
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
         base = build(checkout_kernel(args.base, Path(tmp) / "base"), Path(tmp) / "base.so")
         tree = build(list(cpu_kernel.SOURCES), Path(tmp) / "tree.so")
-        libs = {args.base: cpu_kernel.declare(base, ["paged_decode"]),
-                "working tree": cpu_kernel.declare(tree, ["paged_decode"])}
+        libs = {args.base: cpu_kernel.declare(base, [fn]),
+                "working tree": cpu_kernel.declare(tree, [fn])}
         (Path(tmp) / "read.c").write_text(PLAIN_READ)
         reader = build([Path(tmp) / "read.c"], Path(tmp) / "read.so")
         p, i = ctypes.c_void_p, ctypes.c_int
@@ -128,12 +140,15 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "plain read":
                     reader.plain_read(k.data_ptr(), v.data_ptr(), table.data_ptr(), pages,
                                       lens.data_ptr(), s, kvh * hd, ps, threads)
+                elif n:
+                    out = cpu_kernel.paged_prefill(libs[name], qp, k, v, ps, table, q_start, lens,
+                                                   hd**-0.5, kvh)
                 else:
                     out, _ = cpu_kernel.paged_decode(libs[name], q, k, v, ps, table, lens,
                                                      hd**-0.5)
             return out
 
-        names = [*libs, "plain read"] if dtype == torch.float32 else list(libs)
+        names = [*libs, "plain read"] if dtype == torch.float32 and not n else list(libs)
         times: dict[str, list[float]] = {n: [] for n in names}
         outs = {}
         for _ in range(args.rounds):
@@ -143,14 +158,16 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(time.perf_counter() - start)
     read = s * args.context * kvh * hd * 2 * pools[0].element_size() * args.layers
     base_s = sorted(times[args.base])[min(2, args.rounds - 1)]
-    print(f"{s} decodes x {args.context} tokens, {args.layers} layers, {kvh} KV heads x "
+    what = f"{s} prefill chunks of {n}" if n else f"{s} decodes"
+    print(f"{what} x {args.context} tokens, {args.layers} layers, {kvh} KV heads x "
           f"{args.rows} rows, head size {hd}, {args.dtype}, {threads} threads"
           f"{', cached' if args.cached else ''}: {read / 1e6:.0f} MB of KV a step")
     print("| kernel | ms a step | GB/s of KV | against the base |")
     print("|---|---|---|---|")
     for name in names:
         t = sorted(times[name])[min(2, args.rounds - 1)]
-        print(f"| {name} | {t * 1e3:.1f} | {read / t / 1e9:.1f} | {t / base_s:.2f}x |")
+        rate = "-" if n else f"{read / t / 1e9:.1f}"  # prefill reads each tile for many queries
+        print(f"| {name} | {t * 1e3:.1f} | {rate} | {t / base_s:.2f}x |")
     base_out, tree_out = outs[args.base], outs["working tree"]
     if base_out is not None and tree_out is not None:
         diff = (base_out.float() - tree_out.float()).abs().max().item()
