@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from runtime.attention import AttentionBatch, cpu_kernel
 from runtime.host_load import LoadMeter, load_fields
@@ -364,10 +363,11 @@ def attention_kind(engine: Engine) -> str:
 
 
 def linear_kind(engine: Engine) -> str:
-    """How the model's GEMMs run: `onednn-packed` (weights reordered at load, runtime/model.py)
-    or `plain` (F.linear), `/rows<n>` when a large step runs n rows at a time, and `/fused`
-    when its elementwise ops run as the CPU kernel's fused passes."""
-    kind = "plain" if engine.model.linear is F.linear else "onednn-packed"
+    """How the model's GEMMs run (`LlamaModel.gemm`: `bf16-tiles`, the CPU kernel's own;
+    `onednn-packed`, weights reordered at load; or `plain`, F.linear), `/rows<n>` when a large
+    step runs n rows at a time, and `/fused` when its elementwise ops run as the CPU kernel's
+    fused passes."""
+    kind = engine.model.gemm
     rows = engine.model.row_chunk
     kind = kind if rows is None else f"{kind}/rows{rows}"
     return f"{kind}/fused" if engine.model.fused_ops is not None else kind

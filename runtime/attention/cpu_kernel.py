@@ -50,6 +50,11 @@ def kernel_dir() -> Path:
     return Path(os.environ.get("BLENDSERVE_KERNEL_DIR", default))
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this CPU flag (e.g. `amx_bf16`); False where it cannot say."""
+    return flag in _cpu_id().split()
+
+
 def _cpu_id() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -111,6 +116,9 @@ SIGNATURES = {  # the library's functions: (argument types, return type)
     "silu_mul_bf16": ([_p, _i, _i, _i, _p], None),
     "rope_bf16": ([_p, _l, _i, _i, _i, _p, _p, _i, _p], None),
     "argmax_rows": ([_p, _l, _i, _i, _i, _i, _p], _i),
+    "gemm_bf16_supported": ([_i, _i], _i),
+    "gemm_bf16_pack": ([_p, _i, _i, _p], None),
+    "gemm_bf16": ([_p, _l, _i, _i, _p, _p, _i, _i, _p], _i),
 }
 
 
@@ -214,3 +222,35 @@ def argmax(lib: ctypes.CDLL, x: torch.Tensor) -> list[int] | None:
     rc = lib.argmax_rows(x.data_ptr(), stride, len(x), x.shape[-1], DTYPES[x.dtype],
                          torch.get_num_threads(), out.data_ptr())
     return None if rc != 0 else out.tolist()
+
+
+# The layers' GEMMs in bf16 on AVX512-BF16 (cpu_ops.c): W packed once, a row's sums in one order.
+
+def gemm_supported(lib: ctypes.CDLL, weight: torch.Tensor) -> bool:
+    """Whether `linear` can take this [n, k] weight (bf16, on a CPU with AVX512-BF16)."""
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and bool(lib.gemm_bf16_supported(n, k))
+
+
+def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [n, k] Linear weight in `linear`'s layout, [n/32, k/2, 32, 2]."""
+    n, k = weight.shape
+    weight = weight.contiguous()
+    out = torch.empty((n // 32, k // 2, 32, 2), dtype=torch.bfloat16)
+    lib.gemm_bf16_pack(weight.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] bf16 · Wᵀ (+ bias) -> [m, n] bf16, W from pack_weight."""
+    x, stride = _rows(x)
+    n, k = packed.shape[0] * 32, packed.shape[1] * 2
+    out = torch.empty((len(x), n), dtype=torch.bfloat16)
+    b = None if bias is None else bias.contiguous()
+    rc = lib.gemm_bf16(x.data_ptr(), stride, len(x), k, packed.data_ptr(),
+                       None if b is None else b.data_ptr(), n, torch.get_num_threads(),
+                       out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"gemm_bf16 cannot take a [{n}, {k}] weight on this CPU")
+    return out

@@ -78,20 +78,30 @@ def test_random_weights_have_the_config_shapes() -> None:
     assert model.layers[0]["qkv"].shape == ((4 + 2 * 2) * 16, 64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "gemm"), [(torch.float32, "onednn-packed"),
+                                             (torch.bfloat16, "onednn-packed"),
+                                             (torch.bfloat16, "bf16-tiles")])
 def test_prepacked_cpu_weights_give_the_plain_weights_logits(
-        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+        dtype: torch.dtype, gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from runtime.model import pack_cpu_weights
 
     if not pack_cpu_weights(dtype):
         pytest.skip("this torch build cannot pack linear weights for oneDNN here")
-    hf = hf_model("qwen2")  # tied embeddings and a qkv bias: both go through the packed path
+    if gemm == "onednn-packed":
+        monkeypatch.setenv("BLENDSERVE_CPU_GEMM", "0")
+    torch.manual_seed(0)  # tied embeddings and a qkv bias: both go through the packed path;
+    # a vocabulary of 320, every GEMM's width a multiple of 32: the kernel's GEMM takes them
+    hf = Qwen2ForCausalLM(Qwen2Config(**{**TINY, "vocab_size": 320}, tie_word_embeddings=True,
+                                      architectures=["Qwen2ForCausalLM"])).eval()
     cfg = ModelConfig.from_hf(hf.config.to_dict())
     packed = LlamaModel(cfg, hf.state_dict(), dtype=dtype)
+    if packed.gemm != gemm:
+        pytest.skip(f"{gemm} GEMMs do not run on this CPU")
     monkeypatch.setenv("BLENDSERVE_PACKED_WEIGHTS", "0")
     plain = LlamaModel(cfg, hf.state_dict(), dtype=dtype)
-    assert packed.layers[0]["gate_up"].is_mkldnn and packed.lm_head is not packed.embed
-    assert not plain.layers[0]["gate_up"].is_mkldnn and plain.lm_head is plain.embed
+    assert packed.lm_head is not packed.embed and plain.lm_head is plain.embed
+    assert packed.layers[0]["gate_up"].is_mkldnn == (gemm == "onednn-packed")
+    assert plain.gemm == "plain" and not plain.layers[0]["gate_up"].is_mkldnn
     outs = []
     for model in (packed, plain):
         pool = PagedKVPool(num_layers=cfg.num_layers, num_pages=16, page_size=4,
@@ -291,3 +301,43 @@ def test_a_bf16_step_with_fused_ops_gives_the_op_chains_logits() -> None:
         outs.append(model.forward(ids, torch.arange(9), attn, attn.plan(batch), torch.arange(9)))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-2, atol=1e-2)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+def test_a_cpu_with_amx_keeps_onednns_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.attention import cpu_kernel
+    from runtime.model import pack_cpu_weights
+
+    if not pack_cpu_weights(torch.bfloat16):
+        pytest.skip("this torch build cannot pack linear weights for oneDNN here")
+    monkeypatch.setattr(cpu_kernel, "cpu_has", lambda flag: flag == "amx_bf16")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": 320})).eval()
+    model = LlamaModel(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict(), dtype=torch.bfloat16)
+    assert model.gemm == "onednn-packed"
+
+
+def test_the_kernel_gemm_is_linear_and_sums_a_row_alone_as_in_any_batch() -> None:
+    """cpu_ops.c's bf16 GEMM: within bf16 rounding of an fp32 F.linear (bias included), and each
+    row's outputs bit-identical however many rows run with it (1-19: every tail of 8-row blocks)."""
+    import torch.nn.functional as F
+
+    from runtime.attention import cpu_kernel
+
+    lib = cpu_kernel.load()
+    assert lib is not None, "the CPU kernel did not build here"
+    gen = torch.Generator().manual_seed(9)
+    w = (torch.randn(96, 70, generator=gen) * 0.1).to(torch.bfloat16)
+    if not cpu_kernel.gemm_supported(lib, w):
+        pytest.skip("no AVX512-BF16 here: the layers keep oneDNN's GEMMs")
+    assert not cpu_kernel.gemm_supported(lib, w[:80])  # widths not a multiple of 32 are refused
+    b = torch.randn(96, generator=gen).to(torch.bfloat16)
+    packed = cpu_kernel.pack_weight(lib, w)
+    x = torch.randn(19, 70, generator=gen).to(torch.bfloat16)
+    out = cpu_kernel.linear(lib, x, packed, b)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()),
+                               rtol=1e-2, atol=1e-2)
+    for m in range(1, 20):
+        assert torch.equal(cpu_kernel.linear(lib, x[:m], packed, b), out[:m])
+    strided = torch.randn(19, 90, generator=gen).to(torch.bfloat16)[:, :70]
+    assert torch.equal(cpu_kernel.linear(lib, strided, packed),
+                       cpu_kernel.linear(lib, strided.contiguous(), packed))
