@@ -16,7 +16,7 @@ RMSNorms, RoPE and SiLU·up run as one C pass each (cpu_kernel's elementwise ops
 the torch op chains they replace round; the norm sums in its own order, see cpu_ops.c);
 BLENDSERVE_FUSED_OPS=0 keeps the chains. In bf16 on a CPU with AVX512-BF16 the GEMMs are the
 kernel library's own (cpu_ops.c `gemm_bf16`, weights packed for it at load, `gemm` = "bf16-tiles"):
-a row's sums in one order at any row count, and whole decode steps of SmolLM2 in 0.82-0.90x
+a row's sums in one order at any row count, and whole decode steps of SmolLM2 in 0.77-0.94x
 the time of oneDNN's on a 2-core Zen 5 (prefill steps alike); not on CPUs with AMX, where
 oneDNN uses it. BLENDSERVE_CPU_GEMM=0 keeps oneDNN's.
 """

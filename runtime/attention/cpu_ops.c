@@ -137,12 +137,12 @@ int argmax_rows(const void *x, long stride, int rows, int n, int bf16, int threa
  * ones). W is packed once (gemm_bf16_pack) as [n/32][k/2][32 columns][2]: a column block's
  * k-pair is one 64-byte line for each of two zmm. A work item is 32 columns for every row,
  * eight rows at a time: each W line loaded serves 8 rows, 16 dpbf16 chains per line pair, and
- * the block's W (36 KB at k = 576) stays in L1/L2 across the row blocks. Each thread takes one
- * contiguous run of blocks (static schedule), so it reads W as one stream the hardware
- * prefetcher follows (interleaved blocks left the lm_head's 57 MB 1.1-1.2x slower than
- * oneDNN's). On a 2-core Zen 5, SmolLM2's 30 layers' GEMMs with weights from DRAM took
- * 0.74-0.93x oneDNN's packed GEMMs' time at 2-64 rows, the lm_head 0.90-1.03x, and whole
- * decode steps 0.82-0.90x; prefill steps the same time (0.99-1.01x). Not where the CPU has
+ * the block's W (36 KB at k = 576) stays in L1/L2 across the row blocks. Threads take runs of
+ * an eighth of the blocks (two threads) in turn: each run is one stream of W that the hardware
+ * prefetcher follows (blocks taken one at a time left the lm_head's 57 MB 1.1-1.2x slower than
+ * oneDNN's), and a core slowed by other load leaves the rest to the other. On a 2-core Zen 5, SmolLM2's 30 layers' GEMMs with weights from DRAM took
+ * 0.68-0.87x oneDNN's packed GEMMs' time at 2-64 rows, the lm_head 0.87-1.08x, and whole
+ * decode steps 0.77-0.94x; prefill steps the same time (0.98-1.01x). Not where the CPU has
  * AMX: oneDNN's AMX tiles are another class (runtime/model.py keeps them). */
 #define GEMM_COLS 32
 #define GEMM_ROWS 8
@@ -210,9 +210,9 @@ int gemm_bf16(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp
               const uint16_t *bias, int n, int threads, uint16_t *out) {
 #ifdef __AVX512BF16__
     if (!gemm_bf16_supported(n, k)) return -1;
-    int pairs = k / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int nb = 0; nb < n / GEMM_COLS; nb++) {
+    int pairs = k / 2, blocks = n / GEMM_COLS, run = blocks / (4 * threads) + 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, run)
+    for (int nb = 0; nb < blocks; nb++) {
         const uint32_t *wb = (const uint32_t *)(wp + (size_t)nb * pairs * GEMM_COLS * 2);
         int m0 = 0;
         for (; m0 + GEMM_ROWS <= m; m0 += GEMM_ROWS)
