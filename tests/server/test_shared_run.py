@@ -75,11 +75,11 @@ def _ids(settings: Settings, db: sa.Engine, batch_id: str) -> list[str]:
 
 
 def test_batches_queued_together_run_on_the_engine_together(settings, db, engine) -> None:
-    # the first runs for 64 steps, far past the claim interval (0.05 s), so the others join its
-    # run (short, they could all end before the worker next looks for work on a fast CPU)
-    first = seed_batch(settings, db, _lines("b0", 4, max_tokens=64, ignore_eos=True))
-    batches = [first] + [seed_batch(settings, db, _lines(f"b{k}", 4, max_tokens=3))
-                         for k in range(1, 6)]
+    # each runs 48 steps, far past the claim interval (0.05 s), so whichever the worker claims
+    # first, the others join its run (with 3-token requests a fast CPU could end each batch
+    # before the worker next looked for work, and every batch ran alone)
+    batches = [seed_batch(settings, db, _lines(f"b{k}", 4, max_tokens=48, ignore_eos=True))
+               for k in range(6)]
     for k, b in enumerate(batches):
         _project(db, b, "alpha" if k % 2 else "beta")
     worker = Worker(settings, engine=engine)
