@@ -64,8 +64,7 @@ float plain_read(const float *k, const float *v, const int32_t *table, int max_p
 
 
 def build(sources: list[Path], out: Path) -> ctypes.CDLL:
-    subprocess.run(["gcc", *cpu_kernel.FLAGS, *map(str, sources), "-o", str(out), *cpu_kernel.LIBS],
-                   check=True, capture_output=True, text=True)
+    cpu_kernel.compile_library(sources, out)
     return ctypes.CDLL(str(out))
 
 

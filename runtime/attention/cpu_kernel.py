@@ -76,6 +76,12 @@ def build_id() -> str | None:
     return None if lib is None else Path(lib._name).stem.removeprefix("paged_decode-")
 
 
+def compile_library(sources: Iterable[Path], out: Path, cc: str = "gcc") -> None:
+    """Compile C `sources` into the shared object `out` with the kernel's flags."""
+    subprocess.run([cc, *FLAGS, *map(str, sources), "-o", str(out), *LIBS], check=True,
+                   capture_output=True, text=True, timeout=120)
+
+
 def _build(cc: str) -> Path:
     path = kernel_dir() / f"paged_decode-{_build_key(cc)}.so"
     if path.exists():
@@ -83,8 +89,7 @@ def _build(cc: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), *LIBS], check=True,
-                       capture_output=True, text=True, timeout=120)
+        compile_library(SOURCES, out, cc)
         os.replace(out, path)  # atomic: concurrent builders each write a whole file
     return path
 
@@ -247,10 +252,9 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
     x, stride = _rows(x)
     n, k = packed.shape[0] * 32, packed.shape[1] * 2
     out = torch.empty((len(x), n), dtype=torch.bfloat16)
-    b = None if bias is None else bias.contiguous()
-    rc = lib.gemm_bf16(x.data_ptr(), stride, len(x), k, packed.data_ptr(),
-                       None if b is None else b.data_ptr(), n, torch.get_num_threads(),
-                       out.data_ptr())
+    b = None if bias is None else bias.contiguous().data_ptr()
+    rc = lib.gemm_bf16(x.data_ptr(), stride, len(x), k, packed.data_ptr(), b, n,
+                       torch.get_num_threads(), out.data_ptr())
     if rc != 0:
         raise ValueError(f"gemm_bf16 cannot take a [{n}, {k}] weight on this CPU")
     return out

@@ -596,8 +596,8 @@ static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, fl
                 _mm512_storeu_si512(vi + ((size_t)(t / 2) * hd + d + 16) * 2, _mm512_permutex2var_epi16(a, hi, b));
             }
         }
-        int active = 0; /* rows that read this tile */
-        for (int j = 0; j < rows; j++) active += !row_end || row_end[j] > t0;
+        int active = rows; /* rows that read this tile */
+        for (int j = 0; row_end && j < rows; j++) active -= row_end[j] <= t0;
         /* Rows three at a time (two where four are left, so no row runs alone): each K and V
          * load serves them all, and a lone row's four dpbf16 chains wait on their latency. */
         for (int j = 0; active > 0;) {
