@@ -158,7 +158,7 @@ def test_in_chromium_the_progress_bar_moves_and_the_plan_plot_appears(tmp_path: 
         tmp_path / "serve.log",
         BLENDSERVE_API_KEYS=KEYS,
         BLENDSERVE_PROFILE="none",  # the plan report comes from the model's shape alone
-        BLENDSERVE_KV_MEMORY_BYTES=str(16 << 20),
+        BLENDSERVE_KV_MEMORY_BYTES=str(64 << 20),
         BLENDSERVE_WORKER_POLL_SECONDS="0.1",
         BLENDSERVE_MAX_BATCH_TOKENS="64",  # a few prefills a step: completions come one by one
     )
@@ -176,7 +176,9 @@ def test_in_chromium_the_progress_bar_moves_and_the_plan_plot_appears(tmp_path: 
                 page.fill("#key", ALICE_KEY)
                 page.click("button[type=submit]")
                 page.wait_for_selector("#batches")
-                batch_id = _create_batch(c, 16, spread_tokens=10, ignore_eos=True, temperature=0)
+                # completions ~40 decode steps apart, the last after 640: on a fast CPU
+                # (5 ms a step) still several of the page's 1 s refreshes apart
+                batch_id = _create_batch(c, 16, spread_tokens=40, ignore_eos=True, temperature=0)
                 bar = f'tr[data-batch-id="{batch_id}"] progress.bar'
                 page.wait_for_selector(bar, timeout=30_000)  # the script swapped the row in
                 deadline = time.monotonic() + 600  # hang guard
