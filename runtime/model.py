@@ -15,10 +15,12 @@ greedy tokens depend on what else ran in its steps (runtime/README.md: batch-inv
 RMSNorms, RoPE and SiLU·up run as one C pass each (cpu_kernel's elementwise ops, rounding where
 the torch op chains they replace round; the norm sums in its own order, see cpu_ops.c);
 BLENDSERVE_FUSED_OPS=0 keeps the chains. In bf16 on a CPU with AVX512-BF16 the GEMMs are the
-kernel library's own (cpu_ops.c `gemm_bf16`, weights packed for it at load, `gemm` = "bf16-tiles"):
-a row's sums in one order at any row count, and whole decode steps of SmolLM2 in 0.77-0.94x
-the time of oneDNN's on a 2-core Zen 5 (prefill steps alike); not on CPUs with AMX, where
-oneDNN uses it. BLENDSERVE_CPU_GEMM=0 keeps oneDNN's.
+kernel library's own (cpu_ops.c `gemm_bf16`, weights packed for it at load): a row's sums in one
+order at any row count. On AMX tiles where the CPU has them (`gemm` = "amx-tiles": oneDNN's AMX
+GEMMs change a row's result with the rows beside it; whole decode steps of SmolLM2 in 0.75-0.96x
+their time on a 2-core Xeon, prefill steps 1.01x), else on AVX512-BF16 ("bf16-tiles": decode
+steps 0.77-0.94x oneDNN's on a 2-core Zen 5, prefill alike; an AMX CPU whose library lacks AMX
+keeps oneDNN's). BLENDSERVE_CPU_GEMM=0 keeps oneDNN's.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ class LlamaModel:
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.linear: Linear = F.linear
-        self.gemm = "plain"  # how self.linear runs: plain | onednn-packed | bf16-tiles
+        self.gemm = "plain"  # how self.linear runs: plain | onednn-packed | bf16-tiles | amx-tiles
         # CPU: the per-row work of a large step in slices of CPU_ROW_CHUNK rows (see forward)
         self.row_chunk: int | None = CPU_ROW_CHUNK if self.device.type == "cpu" else None
         self.fused_ops = fused_cpu_ops(self.device, dtype)  # None: the torch op chains
@@ -195,11 +197,13 @@ class LlamaModel:
         plain tensor for the lookup, so a tied lm_head gets a packed copy of its own."""
         lib = self.fused_ops
         weights = [self.lm_head, *(lw[n] for lw in self.layers for n in LINEAR_WEIGHTS)]
-        if (lib is not None and os.environ.get("BLENDSERVE_CPU_GEMM", "1") != "0"
-                and not cpu_kernel.cpu_has("amx_bf16")  # oneDNN's AMX tiles: another class
+        kind = cpu_kernel.gemm_kind(lib) if lib is not None else None
+        if (kind is not None and os.environ.get("BLENDSERVE_CPU_GEMM", "1") != "0"
+                # an AMX CPU whose library was built without AMX: oneDNN's AMX GEMMs are faster
+                and (kind == "amx-tiles" or not cpu_kernel.cpu_has("amx_bf16"))
                 and all(cpu_kernel.gemm_supported(lib, w) for w in weights)):  # type: ignore[arg-type]
             pack: Callable[[torch.Tensor], torch.Tensor] = partial(cpu_kernel.pack_weight, lib)
-            self.linear, self.gemm = partial(cpu_kernel.linear, lib), "bf16-tiles"
+            self.linear, self.gemm = partial(cpu_kernel.linear, lib), kind
         else:
             pack = torch.ops.mkldnn._reorder_linear_weight
             self.linear, self.gemm = _packed_linear, "onednn-packed"

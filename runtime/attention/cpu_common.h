@@ -30,4 +30,33 @@ static inline float exp2_split(float n, float f) {
     return p * two_n.f;
 }
 
+/* AMX tiles (where the compiler targets AMX-BF16 and AVX512-BF16): whether Linux lets this
+ * process use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, asked once),
+ * and a palette-1 tile configuration (tile t: rows[t] rows of colsb[t] bytes) for this thread. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static inline int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return permitted;
+}
+
+static inline void amx_configure(const uint8_t rows[8], const uint16_t colsb[8]) {
+    struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; }
+    cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = colsb[t];
+        cfg.rows[t] = rows[t];
+    }
+    _tile_loadconfig(&cfg);
+}
+#else
+#define HAVE_AMX 0
+#endif
+
 #endif

@@ -121,6 +121,7 @@ SIGNATURES = {  # the library's functions: (argument types, return type)
     "silu_mul_bf16": ([_p, _i, _i, _i, _p], None),
     "rope_bf16": ([_p, _l, _i, _i, _i, _p, _p, _i, _p], None),
     "argmax_rows": ([_p, _l, _i, _i, _i, _i, _p], _i),
+    "gemm_bf16_kind": ([], _i),
     "gemm_bf16_supported": ([_i, _i], _i),
     "gemm_bf16_pack": ([_p, _i, _i, _p], None),
     "gemm_bf16": ([_p, _l, _i, _i, _p, _p, _i, _i, _p], _i),
@@ -229,10 +230,20 @@ def argmax(lib: ctypes.CDLL, x: torch.Tensor) -> list[int] | None:
     return None if rc != 0 else out.tolist()
 
 
-# The layers' GEMMs in bf16 on AVX512-BF16 (cpu_ops.c): W packed once, a row's sums in one order.
+# The layers' GEMMs in bf16 on AMX tiles or AVX512-BF16 (cpu_ops.c): W packed once, a row's sums
+# in one order.
+
+GEMM_KINDS = {2: "amx-tiles", 1: "bf16-tiles"}  # gemm_bf16_kind's answers that run a GEMM
+
+
+def gemm_kind(lib: ctypes.CDLL) -> str | None:
+    """The GEMM `linear` runs on this CPU ("amx-tiles" | "bf16-tiles"), None where none."""
+    return GEMM_KINDS.get(lib.gemm_bf16_kind())
+
 
 def gemm_supported(lib: ctypes.CDLL, weight: torch.Tensor) -> bool:
-    """Whether `linear` can take this [n, k] weight (bf16, on a CPU with AVX512-BF16)."""
+    """Whether `linear` can take this [n, k] weight (bf16, on a CPU with AVX512-BF16; on AMX k a
+    multiple of 32)."""
     n, k = weight.shape
     return weight.dtype == torch.bfloat16 and bool(lib.gemm_bf16_supported(n, k))
 

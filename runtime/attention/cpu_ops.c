@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -142,14 +143,136 @@ int argmax_rows(const void *x, long stride, int rows, int n, int bf16, int threa
  * prefetcher follows (blocks taken one at a time left the lm_head's 57 MB 1.1-1.2x slower than
  * oneDNN's), and a core slowed by other load leaves the rest to the other. On a 2-core Zen 5, SmolLM2's 30 layers' GEMMs with weights from DRAM took
  * 0.68-0.87x oneDNN's packed GEMMs' time at 2-64 rows, the lm_head 0.87-1.08x, and whole
- * decode steps 0.77-0.94x; prefill steps the same time (0.98-1.01x). Not where the CPU has
- * AMX: oneDNN's AMX tiles are another class (runtime/model.py keeps them). */
+ * decode steps 0.77-0.94x; prefill steps the same time (0.98-1.01x). Where the CPU has AMX the
+ * tiles below run it instead. */
 #define GEMM_COLS 32
 #define GEMM_ROWS 8
 
+/* ---- The same GEMM on AMX tiles (where the compiler targets AMX-BF16 and the kernel lets this
+ * process use the tile registers) -------------------------------------------------------------
+ * oneDNN's AMX GEMMs pick their kernels and blockings by row count: a row's result changed with
+ * the rows beside it (batches of 33-256 rows against 2, and rows 32-63 of 64 against the same 32
+ * alone), so a request's greedy tokens depended on its step's batch. Here a tile product sums a
+ * row's 32-k chunk the same way whatever the other rows, and the chunks are added in k order in
+ * an fp32 tile: each output is one function of its row. The W layout is the one above: a 16-pair
+ * x 16-column B tile is a half of 16 of its 128-byte k-pair lines (loaded with a stride). Rows go
+ * 32 at a time (four C tiles, two A, two B: every W tile serves 32 rows), the last m % 32 rows
+ * from a zero-padded copy (16 rows where they fit). Threads take runs of column blocks as above. */
+#if HAVE_AMX
+#define AMX_K 32 /* the k values of one A tile row: 16 pairs */
+
+static void amx_configure_gemm(void) { /* every tile 16 rows of 64 bytes */
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_configure(rows, colsb);
+}
+
+/* c [32][32] fp32 = a packed 32-row block of x · one packed column block. A k chunk's two A
+ * tiles and two B tiles are 2 KB each, contiguous, the chunks one after another: two streams the
+ * hardware prefetcher follows. */
+static void amx_rows32(const uint16_t *a, const uint16_t *wb, int chunks, float *c) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int ch = 0; ch < chunks; ch++) {
+        const uint16_t *w = wb + (size_t)ch * (AMX_K / 2) * GEMM_COLS * 2;
+        const uint16_t *x = a + (size_t)ch * 32 * AMX_K;
+        _tile_loadd(4, x, AMX_K * 2);
+        _tile_loadd(5, x + 16 * AMX_K, AMX_K * 2);
+        _tile_loadd(6, w, GEMM_COLS * 4);
+        _tile_loadd(7, w + 32, GEMM_COLS * 4);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, GEMM_COLS * 4); _tile_stored(1, c + 16, GEMM_COLS * 4);
+    _tile_stored(2, c + 16 * GEMM_COLS, GEMM_COLS * 4);
+    _tile_stored(3, c + 16 * GEMM_COLS + 16, GEMM_COLS * 4);
+}
+
+/* The same for the block's first 16 rows (the rest are padding): c [16][32]. */
+static void amx_rows16(const uint16_t *a, const uint16_t *wb, int chunks, float *c) {
+    _tile_zero(0); _tile_zero(1);
+    for (int ch = 0; ch < chunks; ch++) {
+        const uint16_t *w = wb + (size_t)ch * (AMX_K / 2) * GEMM_COLS * 2;
+        _tile_loadd(4, a + (size_t)ch * 32 * AMX_K, AMX_K * 2);
+        _tile_loadd(6, w, GEMM_COLS * 4);
+        _tile_loadd(7, w + 32, GEMM_COLS * 4);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, c, GEMM_COLS * 4); _tile_stored(1, c + 16, GEMM_COLS * 4);
+}
+
+static int gemm_amx(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp,
+                    const uint16_t *bias, int n, int threads, uint16_t *out) {
+    int chunks = k / AMX_K, pairs = k / 2, blocks = n / GEMM_COLS, run = blocks / (4 * threads) + 1;
+    int row_blocks = (m + 31) / 32;
+    /* x packed as [row block][k chunk][32 rows][32 k], rows past m zero */
+    uint16_t *ap = aligned_alloc(64, (size_t)row_blocks * 32 * k * sizeof(uint16_t));
+    if (!ap) return -1;
+    /* A thread's run of column blocks goes over the rows a group at a time: the group's x (up
+     * to 256 KB) stays in L2 across the run, a block's W (36 KB at k = 576) in L1/L2 across it */
+    int group = (int)((256 << 10) / ((size_t)k * sizeof(uint16_t))) / 32;
+    group = group < 1 ? 1 : group;
+    int runs = (blocks + run - 1) / run;
+#pragma omp parallel num_threads(threads)
+    {
+        float c[32 * GEMM_COLS] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int rb = 0; rb < row_blocks; rb++)
+            for (int r = 0; r < 32; r++)
+                for (int ch = 0; ch < chunks; ch++) {
+                    uint16_t *dst = ap + (((size_t)rb * chunks + ch) * 32 + r) * AMX_K;
+                    if (rb * 32 + r < m)
+                        memcpy(dst, x + (size_t)(rb * 32 + r) * x_stride + ch * AMX_K, AMX_K * 2);
+                    else
+                        memset(dst, 0, AMX_K * 2);
+                }
+        amx_configure_gemm();
+#pragma omp for schedule(dynamic, 1)
+        for (int ri = 0; ri < runs; ri++)
+            for (int g0 = 0; g0 < row_blocks; g0 += group)
+                for (int nb = ri * run; nb < blocks && nb < (ri + 1) * run; nb++) {
+                    const uint16_t *wb = wp + (size_t)nb * pairs * GEMM_COLS * 2;
+                    __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+                    if (bias) {
+                        b0 = load16(bias + nb * GEMM_COLS, NULL, 1, 0, (__mmask16)0xffff);
+                        b1 = load16(bias + nb * GEMM_COLS + 16, NULL, 1, 0, (__mmask16)0xffff);
+                    }
+                    for (int rb = g0; rb < row_blocks && rb < g0 + group; rb++) {
+                        int rows = m - rb * 32 < 32 ? m - rb * 32 : 32;
+                        const uint16_t *a = ap + (size_t)rb * chunks * 32 * AMX_K;
+                        if (rows > 16) amx_rows32(a, wb, chunks, c);
+                        else amx_rows16(a, wb, chunks, c);
+                        for (int r = 0; r < rows; r++) {
+                            uint16_t *o = out + (size_t)(rb * 32 + r) * n + nb * GEMM_COLS;
+                            __m512 s0 = _mm512_add_ps(_mm512_load_ps(c + r * GEMM_COLS), b0);
+                            __m512 s1 = _mm512_add_ps(_mm512_load_ps(c + r * GEMM_COLS + 16), b1);
+                            _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(s0));
+                            _mm256_storeu_si256((__m256i *)(o + 16), (__m256i)_mm512_cvtneps_pbh(s1));
+                        }
+                    }
+                }
+        _tile_release();
+    }
+    free(ap);
+    return 0;
+}
+#endif
+
+/* Which GEMM gemm_bf16 runs: 2 AMX tiles, 1 AVX512-BF16, 0 none. */
+int gemm_bf16_kind(void) {
+#if HAVE_AMX
+    if (amx_permitted()) return 2;
+#endif
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int gemm_bf16_supported(int n, int k) {
 #ifdef __AVX512BF16__
-    return n > 0 && k > 0 && n % GEMM_COLS == 0 && k % 2 == 0;
+    int kind = gemm_bf16_kind();
+    return n > 0 && k > 0 && n % GEMM_COLS == 0 && k % (kind == 2 ? 32 : 2) == 0;
 #else
     (void)n; (void)k;
     return 0;
@@ -210,6 +333,11 @@ int gemm_bf16(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp
               const uint16_t *bias, int n, int threads, uint16_t *out) {
 #ifdef __AVX512BF16__
     if (!gemm_bf16_supported(n, k)) return -1;
+#if HAVE_AMX
+    if (gemm_bf16_kind() == 2) {
+        return gemm_amx(x, x_stride, m, k, wp, bias, n, threads, out);
+    }
+#endif
     int pairs = k / 2, blocks = n / GEMM_COLS, run = blocks / (4 * threads) + 1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, run)
     for (int nb = 0; nb < blocks; nb++) {

@@ -80,7 +80,8 @@ def test_random_weights_have_the_config_shapes() -> None:
 
 @pytest.mark.parametrize(("dtype", "gemm"), [(torch.float32, "onednn-packed"),
                                              (torch.bfloat16, "onednn-packed"),
-                                             (torch.bfloat16, "bf16-tiles")])
+                                             (torch.bfloat16, "bf16-tiles"),
+                                             (torch.bfloat16, "amx-tiles")])
 def test_prepacked_cpu_weights_give_the_plain_weights_logits(
         dtype: torch.dtype, gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from runtime.model import pack_cpu_weights
@@ -231,12 +232,15 @@ def test_loading_the_decode_kernel_keeps_subnormal_floats() -> None:
 
 @pytest.mark.parametrize(("head_dim", "dtype"), [(64, torch.bfloat16), (32, torch.bfloat16),
                                                   (64, torch.float32), (24, torch.float32)])
-def test_in_place_prefill_kernel_equals_gathered_masked_sdpa(head_dim: int, dtype: torch.dtype) -> None:
+# query heads per KV head 1, 3, 5: a 32-token block's 32, 96 and 160 rows, 2, 6 and 10 AMX tiles
+@pytest.mark.parametrize("heads", [2, 6, 10], ids=["g1", "g3", "g5"])
+def test_in_place_prefill_kernel_equals_gathered_masked_sdpa(head_dim: int, dtype: torch.dtype,
+                                                             heads: int) -> None:
     """Chunks beside decodes: fresh prompts, chunks over a cached prefix, one-token chunks,
     lengths on and off the 16-token tiles and the 32-token query blocks; pages scattered. bf16
-    takes the AVX512-BF16 tile path where the CPU has one, fp32 (and bf16 elsewhere) the generic
-    loops."""
-    ps, heads, kv_heads = 16, 6, 2
+    takes the AMX or AVX512-BF16 tile path where the CPU has one, fp32 (and bf16 elsewhere) the
+    generic loops."""
+    ps, kv_heads = 16, 2
     pool = PagedKVPool(num_layers=1, num_pages=512, page_size=ps, kv_heads=kv_heads,
                        head_dim=head_dim, dtype=dtype)
     attn = make_backend("torch", pool, num_heads=heads, scale=head_dim**-0.5)
@@ -303,22 +307,33 @@ def test_a_bf16_step_with_fused_ops_gives_the_op_chains_logits() -> None:
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
 
 
-def test_a_cpu_with_amx_keeps_onednns_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_amx_cpu_keeps_onednns_gemms_where_the_kernel_was_built_without_amx(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX512-BF16 GEMM is slower than oneDNN's AMX tiles: an AMX CPU takes the kernel's GEMM
+    only where the kernel runs it on AMX too."""
     from runtime.attention import cpu_kernel
     from runtime.model import pack_cpu_weights
 
     if not pack_cpu_weights(torch.bfloat16):
         pytest.skip("this torch build cannot pack linear weights for oneDNN here")
+    if cpu_kernel.load() is None:
+        pytest.skip("the CPU kernel did not build here")
     monkeypatch.setattr(cpu_kernel, "cpu_has", lambda flag: flag == "amx_bf16")
+    monkeypatch.setattr(cpu_kernel, "gemm_kind", lambda lib: "bf16-tiles")
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": 320})).eval()
-    model = LlamaModel(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict(), dtype=torch.bfloat16)
-    assert model.gemm == "onednn-packed"
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    assert LlamaModel(cfg, hf.state_dict(), dtype=torch.bfloat16).gemm == "onednn-packed"
+    monkeypatch.setattr(cpu_kernel, "gemm_kind", lambda lib: "amx-tiles")
+    if cpu_kernel.gemm_supported(cpu_kernel.load(), hf.lm_head.weight.to(torch.bfloat16)):
+        assert LlamaModel(cfg, hf.state_dict(), dtype=torch.bfloat16).gemm == "amx-tiles"
 
 
 def test_the_kernel_gemm_is_linear_and_sums_a_row_alone_as_in_any_batch() -> None:
-    """cpu_ops.c's bf16 GEMM: within bf16 rounding of an fp32 F.linear (bias included), and each
-    row's outputs bit-identical however many rows run with it (1-19: every tail of 8-row blocks)."""
+    """cpu_ops.c's bf16 GEMM (AMX tiles or AVX512-BF16): within bf16 rounding of an fp32
+    F.linear (bias included), and each row's outputs bit-identical however many rows run with it
+    and wherever it sits: 1-79 rows cover every tail of the AVX-512 path's 8-row blocks and of
+    the AMX path's 16- and 32-row tiles, 1,400 rows its 1,344-row chunks at k = 96."""
     import torch.nn.functional as F
 
     from runtime.attention import cpu_kernel
@@ -326,18 +341,22 @@ def test_the_kernel_gemm_is_linear_and_sums_a_row_alone_as_in_any_batch() -> Non
     lib = cpu_kernel.load()
     assert lib is not None, "the CPU kernel did not build here"
     gen = torch.Generator().manual_seed(9)
-    w = (torch.randn(96, 70, generator=gen) * 0.1).to(torch.bfloat16)
+    w = (torch.randn(96, 96, generator=gen) * 0.1).to(torch.bfloat16)
     if not cpu_kernel.gemm_supported(lib, w):
         pytest.skip("no AVX512-BF16 here: the layers keep oneDNN's GEMMs")
     assert not cpu_kernel.gemm_supported(lib, w[:80])  # widths not a multiple of 32 are refused
+    # AMX tiles take k in whole 32-value chunks
+    assert cpu_kernel.gemm_supported(lib, w[:, :70]) == (cpu_kernel.gemm_kind(lib) == "bf16-tiles")
     b = torch.randn(96, generator=gen).to(torch.bfloat16)
     packed = cpu_kernel.pack_weight(lib, w)
-    x = torch.randn(19, 70, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1400, 96, generator=gen).to(torch.bfloat16)
     out = cpu_kernel.linear(lib, x, packed, b)
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()),
                                rtol=1e-2, atol=1e-2)
-    for m in range(1, 20):
+    for m in range(1, 80):
         assert torch.equal(cpu_kernel.linear(lib, x[:m], packed, b), out[:m])
-    strided = torch.randn(19, 90, generator=gen).to(torch.bfloat16)[:, :70]
+        assert torch.equal(cpu_kernel.linear(lib, x[m:2 * m + 1], packed, b), out[m:2 * m + 1])
+    assert torch.equal(cpu_kernel.linear(lib, x[1343:], packed, b), out[1343:])
+    strided = torch.randn(19, 120, generator=gen).to(torch.bfloat16)[:, :96]
     assert torch.equal(cpu_kernel.linear(lib, strided, packed),
                        cpu_kernel.linear(lib, strided.contiguous(), packed))
