@@ -5,7 +5,7 @@ Times one decode step's GEMMs of a model's shape (SmolLM2-135M by default: 30 la
 o, gate_up and down, then the lm_head), each layer its own random weights so that they stream
 from memory as in a real step, at several row counts; the second-fastest of `--rounds` each.
 Needs a CPU with AVX512-BF16 (elsewhere the kernel's GEMM does not run and the engine keeps
-oneDNN's).
+oneDNN's); on one with AMX both run on AMX tiles.
 
     python bench/cpu_gemm.py
     python bench/cpu_gemm.py --rows 1,8,32,128,2048 --rounds 5
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     h, inter = args.hidden, args.intermediate
     shapes = [(args.qkv, h), (h, h), (2 * inter, h), (h, inter)]  # (out, in) of each GEMM
     if lib is None or not all(lib.gemm_bf16_supported(n, k) for n, k in [*shapes, (args.vocab, h)]):
-        raise SystemExit("the kernel's bf16 GEMM does not run here (AVX512-BF16, widths % 32)")
+        raise SystemExit("the kernel's bf16 GEMM does not run here (AVX512-BF16, widths % 32; "
+                         "on AMX k % 32)")
     gen = torch.Generator().manual_seed(0)
 
     def weight(n: int, k: int) -> torch.Tensor:
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                    lambda x, w: cpu_kernel.linear(lib, x, w)),
     }
     print(f"{args.layers} layers of {shapes} + lm_head {args.vocab}, bf16, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, the kernel's {cpu_kernel.gemm_kind(lib)} GEMM")
     print("| rows | oneDNN layers ms | kernel layers ms | ratio | oneDNN lm_head ms | kernel lm_head ms | ratio |")
     print("|---|---|---|---|---|---|---|")
     for m in (int(r) for r in args.rows.split(",")):

@@ -156,8 +156,11 @@ int argmax_rows(const void *x, long stride, int rows, int n, int bf16, int threa
  * row's 32-k chunk the same way whatever the other rows, and the chunks are added in k order in
  * an fp32 tile: each output is one function of its row. The W layout is the one above: a 16-pair
  * x 16-column B tile is a half of 16 of its 128-byte k-pair lines (loaded with a stride). Rows go
- * 32 at a time (four C tiles, two A, two B: every W tile serves 32 rows), the last m % 32 rows
- * from a zero-padded copy (16 rows where they fit). Threads take runs of column blocks as above. */
+ * 32 at a time (four C tiles, two A, two B: every W tile serves 32 rows; 16 where no more are
+ * left), from a copy of x packed in tile order and zero-padded. Threads take runs of column
+ * blocks as above. On a 2-core Xeon, SmolLM2's 30 layers at 2-32 rows took 0.76-0.87x the time
+ * of oneDNN's AMX GEMMs, at 64 ~1.0x, at 256-1,024 1.04-1.10x (bench/cpu_gemm.py); whole decode
+ * steps 0.72-0.93x, prefill steps 0.99-1.02x (the engine slices a step's rows by 1,024). */
 #if HAVE_AMX
 #define AMX_K 32 /* the k values of one A tile row: 16 pairs */
 
