@@ -17,8 +17,8 @@ the torch op chains they replace round; the norm sums in its own order, see cpu_
 BLENDSERVE_FUSED_OPS=0 keeps the chains. In bf16 on a CPU with AVX512-BF16 the GEMMs are the
 kernel library's own (cpu_ops.c `gemm_bf16`, weights packed for it at load): a row's sums in one
 order at any row count. On AMX tiles where the CPU has them (`gemm` = "amx-tiles": oneDNN's AMX
-GEMMs change a row's result with the rows beside it; whole decode steps of SmolLM2 in 0.75-0.96x
-their time on a 2-core Xeon, prefill steps 1.01x), else on AVX512-BF16 ("bf16-tiles": decode
+GEMMs change a row's result with the rows beside it; whole decode steps of SmolLM2 in 0.72-0.96x
+their time on a 2-core Xeon, prefill steps 0.99-1.02x), else on AVX512-BF16 ("bf16-tiles": decode
 steps 0.77-0.94x oneDNN's on a 2-core Zen 5, prefill alike; an AMX CPU whose library lacks AMX
 keeps oneDNN's). BLENDSERVE_CPU_GEMM=0 keeps oneDNN's.
 """
@@ -198,7 +198,7 @@ class LlamaModel:
         lib = self.fused_ops
         weights = [self.lm_head, *(lw[n] for lw in self.layers for n in LINEAR_WEIGHTS)]
         kind = cpu_kernel.gemm_kind(lib) if lib is not None else None
-        if (kind is not None and os.environ.get("BLENDSERVE_CPU_GEMM", "1") != "0"
+        if (lib is not None and kind is not None and os.environ.get("BLENDSERVE_CPU_GEMM", "1") != "0"
                 # an AMX CPU whose library was built without AMX: oneDNN's AMX GEMMs are faster
                 and (kind == "amx-tiles" or not cpu_kernel.cpu_has("amx_bf16"))
                 and all(cpu_kernel.gemm_supported(lib, w) for w in weights)):  # type: ignore[arg-type]

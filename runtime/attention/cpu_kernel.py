@@ -267,5 +267,6 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
     rc = lib.gemm_bf16(x.data_ptr(), stride, len(x), k, packed.data_ptr(), b, n,
                        torch.get_num_threads(), out.data_ptr())
     if rc != 0:
-        raise ValueError(f"gemm_bf16 cannot take a [{n}, {k}] weight on this CPU")
+        raise ValueError(f"gemm_bf16 failed on a [{n}, {k}] weight (not a shape it takes on this "
+                         "CPU, or out of memory)")
     return out

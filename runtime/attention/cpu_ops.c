@@ -160,7 +160,7 @@ int argmax_rows(const void *x, long stride, int rows, int n, int bf16, int threa
  * left), from a copy of x packed in tile order and zero-padded. Threads take runs of column
  * blocks as above. On a 2-core Xeon, SmolLM2's 30 layers at 2-32 rows took 0.76-0.87x the time
  * of oneDNN's AMX GEMMs, at 64 ~1.0x, at 256-1,024 1.04-1.10x (bench/cpu_gemm.py); whole decode
- * steps 0.72-0.93x, prefill steps 0.99-1.02x (the engine slices a step's rows by 1,024). */
+ * steps 0.72-0.96x, prefill steps 0.99-1.02x (the engine slices a step's rows by 1,024). */
 #if HAVE_AMX
 #define AMX_K 32 /* the k values of one A tile row: 16 pairs */
 
@@ -331,7 +331,7 @@ gemm_block(const uint16_t *x, long x_stride, int m0, int mr, int pairs, const ui
 #endif
 
 /* out [m, n] = x [m, k] (rows x_stride apart) · Wᵀ + bias (NULL: none), wp from gemm_bf16_pack.
- * Returns 0, or -1 where gemm_bf16_supported says no. */
+ * Returns 0, or -1 where gemm_bf16_supported says no or memory runs out (AMX: x packed). */
 int gemm_bf16(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp,
               const uint16_t *bias, int n, int threads, uint16_t *out) {
 #ifdef __AVX512BF16__
