@@ -125,6 +125,7 @@ SIGNATURES = {  # the library's functions: (argument types, return type)
     "gemm_bf16_supported": ([_i, _i], _i),
     "gemm_bf16_pack": ([_p, _i, _i, _p], None),
     "gemm_bf16": ([_p, _l, _i, _i, _p, _p, _i, _i, _p], _i),
+    "gemm_bf16_silu": ([_p, _l, _i, _i, _p, _i, _i, _p], _i),
 }
 
 
@@ -270,3 +271,14 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
         raise ValueError(f"gemm_bf16 failed on a [{n}, {k}] weight (not a shape it takes on this "
                          "CPU, or out of memory)")
     return out
+
+
+def linear_silu(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
+    """silu(x · Wgᵀ) · (x · Wuᵀ) -> [m, n/2] bf16 for a packed [gate; up] weight, to the bit
+    silu_mul(linear(x, packed)) but in one pass; None where the library's GEMM is not on AMX."""
+    x, stride = _rows(x)
+    n, k = packed.shape[0] * 32, packed.shape[1] * 2
+    out = torch.empty((len(x), n // 2), dtype=torch.bfloat16)
+    rc = lib.gemm_bf16_silu(x.data_ptr(), stride, len(x), k, packed.data_ptr(), n,
+                            torch.get_num_threads(), out.data_ptr())
+    return None if rc != 0 else out

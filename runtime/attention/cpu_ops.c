@@ -203,10 +203,12 @@ static void amx_rows16(const uint16_t *a, const uint16_t *wb, int chunks, float 
     _tile_stored(0, c, GEMM_COLS * 4); _tile_stored(1, c + 16, GEMM_COLS * 4);
 }
 
+/* silu: W is [gate; up] and out [m, n/2] = silu(gate) · up, rounded as gemm_bf16's output and
+ * silu_mul_bf16 round them (a work item is a gate block with its up block). */
 static int gemm_amx(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp,
-                    const uint16_t *bias, int n, int threads, uint16_t *out) {
-    int chunks = k / AMX_K, pairs = k / 2, blocks = n / GEMM_COLS, run = blocks / (4 * threads) + 1;
-    int row_blocks = (m + 31) / 32;
+                    const uint16_t *bias, int n, int silu, int threads, uint16_t *out) {
+    int chunks = k / AMX_K, pairs = k / 2, blocks = n / GEMM_COLS / (silu ? 2 : 1);
+    int run = blocks / (4 * threads) + 1, width = silu ? n / 2 : n, row_blocks = (m + 31) / 32;
     /* x packed as [row block][k chunk][32 rows][32 k], rows past m zero */
     uint16_t *ap = aligned_alloc(64, (size_t)row_blocks * 32 * k * sizeof(uint16_t));
     if (!ap) return -1;
@@ -217,7 +219,7 @@ static int gemm_amx(const uint16_t *x, long x_stride, int m, int k, const uint16
     int runs = (blocks + run - 1) / run;
 #pragma omp parallel num_threads(threads)
     {
-        float c[32 * GEMM_COLS] __attribute__((aligned(64)));
+        float c[32 * GEMM_COLS] __attribute__((aligned(64))), cu[32 * GEMM_COLS] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int rb = 0; rb < row_blocks; rb++)
             for (int r = 0; r < 32; r++)
@@ -244,8 +246,22 @@ static int gemm_amx(const uint16_t *x, long x_stride, int m, int k, const uint16
                         const uint16_t *a = ap + (size_t)rb * chunks * 32 * AMX_K;
                         if (rows > 16) amx_rows32(a, wb, chunks, c);
                         else amx_rows16(a, wb, chunks, c);
+                        if (silu) {
+                            const uint16_t *wu = wb + (size_t)blocks * pairs * GEMM_COLS * 2;
+                            if (rows > 16) amx_rows32(a, wu, chunks, cu);
+                            else amx_rows16(a, wu, chunks, cu);
+                            for (int r = 0; r < rows; r++) {
+                                uint16_t *o = out + (size_t)(rb * 32 + r) * width + nb * GEMM_COLS;
+                                for (int i = 0; i < GEMM_COLS; i++) {
+                                    float g = round_bf16(c[r * GEMM_COLS + i]);
+                                    o[i] = f32_to_bf16(round_bf16(g / (1.f + exp_ulp(-g)))
+                                                       * round_bf16(cu[r * GEMM_COLS + i]));
+                                }
+                            }
+                            continue;
+                        }
                         for (int r = 0; r < rows; r++) {
-                            uint16_t *o = out + (size_t)(rb * 32 + r) * n + nb * GEMM_COLS;
+                            uint16_t *o = out + (size_t)(rb * 32 + r) * width + nb * GEMM_COLS;
                             __m512 s0 = _mm512_add_ps(_mm512_load_ps(c + r * GEMM_COLS), b0);
                             __m512 s1 = _mm512_add_ps(_mm512_load_ps(c + r * GEMM_COLS + 16), b1);
                             _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(s0));
@@ -338,7 +354,7 @@ int gemm_bf16(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp
     if (!gemm_bf16_supported(n, k)) return -1;
 #if HAVE_AMX
     if (gemm_bf16_kind() == 2) {
-        return gemm_amx(x, x_stride, m, k, wp, bias, n, threads, out);
+        return gemm_amx(x, x_stride, m, k, wp, bias, n, 0, threads, out);
     }
 #endif
     int pairs = k / 2, blocks = n / GEMM_COLS, run = blocks / (4 * threads) + 1;
@@ -365,4 +381,18 @@ int gemm_bf16(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp
     (void)out;
     return -1;
 #endif
+}
+
+/* out [m, n/2] = silu(x · Wgᵀ) · (x · Wuᵀ), W = [gate; up] [n, k] packed by gemm_bf16_pack: to the
+ * bit gemm_bf16 (no bias) then silu_mul_bf16, in one pass that never writes the [m, n] sums (on
+ * AMX only). Returns 0, or -1 where it does not run (no AMX, n/2 not a multiple of 32) or memory
+ * runs out. */
+int gemm_bf16_silu(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp, int n,
+                   int threads, uint16_t *out) {
+#if HAVE_AMX
+    if (gemm_bf16_kind() == 2 && gemm_bf16_supported(n, k) && n % (2 * GEMM_COLS) == 0)
+        return gemm_amx(x, x_stride, m, k, wp, NULL, n, 1, threads, out);
+#endif
+    (void)x; (void)x_stride; (void)m; (void)k; (void)wp; (void)n; (void)threads; (void)out;
+    return -1;
 }

@@ -329,6 +329,27 @@ def test_an_amx_cpu_keeps_onednns_gemms_where_the_kernel_was_built_without_amx(
         assert LlamaModel(cfg, hf.state_dict(), dtype=torch.bfloat16).gemm == "amx-tiles"
 
 
+def test_the_fused_gate_up_gemm_gives_the_two_passes_bits() -> None:
+    """On AMX tiles gate_up's GEMM and SiLU·up run as one pass (cpu_ops.c `gemm_bf16_silu`):
+    bit-equal to the GEMM then silu_mul, at every row count and window (rows 1-79, 1,400)."""
+    from runtime.attention import cpu_kernel
+
+    lib = cpu_kernel.load()
+    assert lib is not None, "the CPU kernel did not build here"
+    if cpu_kernel.gemm_kind(lib) != "amx-tiles":
+        pytest.skip("no AMX here: gate_up's GEMM and SiLU·up stay two passes")
+    gen = torch.Generator().manual_seed(11)
+    w = (torch.randn(192, 96, generator=gen) * 0.2).to(torch.bfloat16)  # [gate; up], 96 each
+    packed = cpu_kernel.pack_weight(lib, w)
+    x = torch.randn(1400, 96, generator=gen).to(torch.bfloat16)
+    two_passes = cpu_kernel.silu_mul(lib, cpu_kernel.linear(lib, x, packed))
+    fused = cpu_kernel.linear_silu(lib, x, packed)
+    assert fused is not None and torch.equal(fused, two_passes)
+    for m in range(1, 80):
+        assert torch.equal(cpu_kernel.linear_silu(lib, x[m:2 * m + 1], packed), two_passes[m:2 * m + 1])
+    assert cpu_kernel.linear_silu(lib, x, cpu_kernel.pack_weight(lib, w[:160])) is None  # 80: odd blocks
+
+
 def test_the_kernel_gemm_is_linear_and_sums_a_row_alone_as_in_any_batch() -> None:
     """cpu_ops.c's bf16 GEMM (AMX tiles or AVX512-BF16): within bf16 rounding of an fp32
     F.linear (bias included), and each row's outputs bit-identical however many rows run with it
