@@ -203,6 +203,31 @@ static void amx_rows16(const uint16_t *a, const uint16_t *wb, int chunks, float 
     _tile_stored(0, c, GEMM_COLS * 4); _tile_stored(1, c + 16, GEMM_COLS * 4);
 }
 
+static void amx_rows(const uint16_t *a, int rows, const uint16_t *wb, int chunks, float *c) {
+    if (rows > 16) amx_rows32(a, wb, chunks, c);
+    else amx_rows16(a, wb, chunks, c);
+}
+
+/* A block's sums c [rows][32] + bias (b0, b1), rounded into o (rows `width` apart). */
+static void round_block(const float *c, int rows, __m512 b0, __m512 b1, uint16_t *o, int width) {
+    for (int r = 0; r < rows; r++, o += width) {
+        __m512 s0 = _mm512_add_ps(_mm512_load_ps(c + r * GEMM_COLS), b0);
+        __m512 s1 = _mm512_add_ps(_mm512_load_ps(c + r * GEMM_COLS + 16), b1);
+        _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(s0));
+        _mm256_storeu_si256((__m256i *)(o + 16), (__m256i)_mm512_cvtneps_pbh(s1));
+    }
+}
+
+/* silu(gate) · up of a block's gate and up sums (each [rows][32]) into o, each rounded where
+ * gemm_bf16's output and silu_mul_bf16 round them. */
+static void round_silu_block(const float *gate, const float *up, int rows, uint16_t *o, int width) {
+    for (int r = 0; r < rows; r++, o += width)
+        for (int i = 0; i < GEMM_COLS; i++) {
+            float g = round_bf16(gate[r * GEMM_COLS + i]);
+            o[i] = f32_to_bf16(round_bf16(g / (1.f + exp_ulp(-g))) * round_bf16(up[r * GEMM_COLS + i]));
+        }
+}
+
 /* silu: W is [gate; up] and out [m, n/2] = silu(gate) · up, rounded as gemm_bf16's output and
  * silu_mul_bf16 round them (a work item is a gate block with its up block). */
 static int gemm_amx(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp,
@@ -244,28 +269,13 @@ static int gemm_amx(const uint16_t *x, long x_stride, int m, int k, const uint16
                     for (int rb = g0; rb < row_blocks && rb < g0 + group; rb++) {
                         int rows = m - rb * 32 < 32 ? m - rb * 32 : 32;
                         const uint16_t *a = ap + (size_t)rb * chunks * 32 * AMX_K;
-                        if (rows > 16) amx_rows32(a, wb, chunks, c);
-                        else amx_rows16(a, wb, chunks, c);
+                        uint16_t *o = out + (size_t)rb * 32 * width + nb * GEMM_COLS;
+                        amx_rows(a, rows, wb, chunks, c);
                         if (silu) {
-                            const uint16_t *wu = wb + (size_t)blocks * pairs * GEMM_COLS * 2;
-                            if (rows > 16) amx_rows32(a, wu, chunks, cu);
-                            else amx_rows16(a, wu, chunks, cu);
-                            for (int r = 0; r < rows; r++) {
-                                uint16_t *o = out + (size_t)(rb * 32 + r) * width + nb * GEMM_COLS;
-                                for (int i = 0; i < GEMM_COLS; i++) {
-                                    float g = round_bf16(c[r * GEMM_COLS + i]);
-                                    o[i] = f32_to_bf16(round_bf16(g / (1.f + exp_ulp(-g)))
-                                                       * round_bf16(cu[r * GEMM_COLS + i]));
-                                }
-                            }
-                            continue;
-                        }
-                        for (int r = 0; r < rows; r++) {
-                            uint16_t *o = out + (size_t)(rb * 32 + r) * width + nb * GEMM_COLS;
-                            __m512 s0 = _mm512_add_ps(_mm512_load_ps(c + r * GEMM_COLS), b0);
-                            __m512 s1 = _mm512_add_ps(_mm512_load_ps(c + r * GEMM_COLS + 16), b1);
-                            _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(s0));
-                            _mm256_storeu_si256((__m256i *)(o + 16), (__m256i)_mm512_cvtneps_pbh(s1));
+                            amx_rows(a, rows, wb + (size_t)blocks * pairs * GEMM_COLS * 2, chunks, cu);
+                            round_silu_block(c, cu, rows, o, width);
+                        } else {
+                            round_block(c, rows, b0, b1, o, width);
                         }
                     }
                 }

@@ -551,12 +551,24 @@ static inline float tile_softmax(__m512 sc, __mmask16 valid, float *mx, float *s
     return corr;
 }
 
-/* A tile's n (<= TILE) tokens at K/V offsets off: K transposed into kt [hd/2 pairs][TILE]
- * (tokens past n zero), V interleaved by token pairs into vi [TILE / 2][hd][2] (pairs past the
- * tile's zero: AMX sums every pair). */
-static inline void tile_kv(const uint16_t *k_cache, const uint16_t *v_cache, const size_t *off,
-                           int n, int hd, uint32_t *kt, uint16_t *vi) {
-    const __m512i lo = _mm512_loadu_si512(INTERLEAVE_LO), hi = _mm512_loadu_si512(INTERLEAVE_HI);
+/* The tile of tokens [t0, min(t0 + TILE, t_end)) of head h, its page and slot at *page, *slot
+ * (advanced past it): asks for the next PREFETCH_TILES tiles (the first tile too, at t_begin;
+ * each asked for more than once: fewer of them dropped), then lays the tile out for the tile
+ * math: K transposed into kt [hd/2 pairs][TILE] (tokens past the tile zero), V interleaved by
+ * token pairs into vi [TILE / 2][hd][2] (pairs past the tile zero: AMX sums every pair).
+ * Returns the tile's token count. */
+static inline int next_tile(const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int32_t *pages, int t_begin, int t0, int t_end, int ps, int kvh,
+                            int hd, int h, int *page, int *slot, uint32_t *kt, uint16_t *vi) {
+    int n = t_end - t0 < TILE ? t_end - t0 : TILE;
+    int pf = t0 == t_begin ? t0 : t0 + TILE;
+    int pf_end = t0 + (PREFETCH_TILES + 1) * TILE < t_end ? t0 + (PREFETCH_TILES + 1) * TILE : t_end;
+    prefetch_kv(k_cache, v_cache, pages, pf, pf_end, ps, kvh, hd, h);
+    size_t off[TILE];
+    for (int t = 0; t < n; t++) { /* consecutive positions: walk the page table */
+        off[t] = (((size_t)pages[*page] * ps + *slot) * kvh + h) * hd;
+        if (++*slot == ps) { *slot = 0; ++*page; }
+    }
     for (int c = 0; c < hd / 2; c += 16) { /* K pairs c..c+15 of the tile's tokens */
         __m512i r[16];
         for (int t = 0; t < TILE; t++)
@@ -564,6 +576,7 @@ static inline void tile_kv(const uint16_t *k_cache, const uint16_t *v_cache, con
         transpose16(r);
         for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (size_t)(c + i) * TILE, r[i]);
     }
+    const __m512i lo = _mm512_loadu_si512(INTERLEAVE_LO), hi = _mm512_loadu_si512(INTERLEAVE_HI);
     for (int t = 0; t < n; t += 2) { /* V of tokens t, t+1 interleaved: vdpbf16ps pairs */
         const uint16_t *va = v_cache + off[t];
         const uint16_t *vn = t + 1 < n ? v_cache + off[t + 1] : NULL;
@@ -575,6 +588,7 @@ static inline void tile_kv(const uint16_t *k_cache, const uint16_t *v_cache, con
         }
     }
     if (n < TILE) memset(vi + (size_t)((n + 1) / 2) * hd * 2, 0, sizeof(uint16_t) * (TILE - n - n % 2) * hd);
+    return n;
 }
 
 /* One KV head's attention for bf16 with hd a multiple of 32 on a CPU with AVX512-BF16: query
@@ -592,21 +606,12 @@ static void attend_head_bf16(const uint16_t *q, int rows, const int *row_end, fl
     int pairs = hd / 2;
     uint32_t pp[3][TILE / 2]; /* each row's P of tokens 2k, 2k+1 as one bf16 pair */
     uint16_t *vi = (uint16_t *)vb; /* [TILE / 2][hd][2] bf16: V of token pairs, interleaved */
-    size_t off[TILE];
     memset(acc, 0, sizeof(float) * (size_t)rows * hd);
     for (int j = 0; j < rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
     int page = t_begin / ps, slot = t_begin % ps;
     for (int t0 = t_begin; t0 < t_end; t0 += TILE) {
-        int n = t_end - t0 < TILE ? t_end - t0 : TILE;
-        /* the next PREFETCH_TILES tiles (each asked for more than once: fewer of them dropped) */
-        int pf = t0 == t_begin ? t0 : t0 + TILE;
-        int pf_end = t0 + (PREFETCH_TILES + 1) * TILE < t_end ? t0 + (PREFETCH_TILES + 1) * TILE : t_end;
-        prefetch_kv(k_cache, v_cache, pages, pf, pf_end, ps, kvh, hd, h);
-        for (int t = 0; t < n; t++) { /* consecutive positions: walk the page table */
-            off[t] = (((size_t)pages[page] * ps + slot) * kvh + h) * hd;
-            if (++slot == ps) { slot = 0; page++; }
-        }
-        tile_kv(k_cache, v_cache, off, n, hd, kt, vi);
+        int n = next_tile(k_cache, v_cache, pages, t_begin, t0, t_end, ps, kvh, hd, h, &page, &slot,
+                          kt, vi);
         int active = rows; /* rows that read this tile */
         for (int j = 0; row_end && j < rows; j++) active -= row_end[j] <= t0;
         /* Rows three at a time (two where four are left, so no row runs alone): each K and V
@@ -687,18 +692,10 @@ static void attend_head_amx(const uint16_t *q, int rows, const int *row_end, flo
     memset(acc, 0, sizeof(float) * (size_t)rows * hd);
     for (int j = 0; j < rows; j++) { mx[j] = -INFINITY; sum[j] = 0.f; }
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    size_t off[TILE];
     int page = t_begin / ps, slot = t_begin % ps;
     for (int t0 = t_begin; t0 < t_end; t0 += TILE) {
-        int n = t_end - t0 < TILE ? t_end - t0 : TILE;
-        int pf = t0 == t_begin ? t0 : t0 + TILE;
-        int pf_end = t0 + (PREFETCH_TILES + 1) * TILE < t_end ? t0 + (PREFETCH_TILES + 1) * TILE : t_end;
-        prefetch_kv(k_cache, v_cache, pages, pf, pf_end, ps, kvh, hd, h);
-        for (int t = 0; t < n; t++) {
-            off[t] = (((size_t)pages[page] * ps + slot) * kvh + h) * hd;
-            if (++slot == ps) { slot = 0; page++; }
-        }
-        tile_kv(k_cache, v_cache, off, n, hd, kt, vi);
+        int n = next_tile(k_cache, v_cache, pages, t_begin, t0, t_end, ps, kvh, hd, h, &page, &slot,
+                          kt, vi);
         /* rows that end before this tile (a prefill block's first rows) are done: a block of
          * them is skipped, a row of them adds nothing (P zero, factor one) */
         int first = 0;
