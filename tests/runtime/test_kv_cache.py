@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -53,3 +55,25 @@ def test_bytes_per_page_matches_the_allocation() -> None:
 def test_default_budget_is_positive_and_capped() -> None:
     b = default_kv_memory_bytes()
     assert 0 < b <= 2 << 30
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_cpu_pool_is_zero_aligned_and_takes_memory_only_where_it_is_written() -> None:
+    """The pool comes from calloc: zeros the OS hands out as pages are first touched, so a
+    512 MiB pool costs nothing at start-up and a run's memory is the KV it uses."""
+    before = _rss_bytes()
+    pool = PagedKVPool(num_layers=8, num_pages=4096, page_size=16, kv_heads=4, head_dim=64,
+                       dtype=torch.bfloat16)  # 512 MiB
+    assert pool.data.numel() * 2 == 512 << 20 and pool.data.is_contiguous()
+    assert pool.data.data_ptr() % 4096 == 0
+    assert _rss_bytes() - before < 64 << 20
+    pool.k[7][4095].fill_(1.0)
+    assert pool.data.count_nonzero().item() == 16 * 4 * 64  # the rest reads as zeros
+    data = pool.data
+    del pool
+    assert data[7, 0, 4095].float().sum().item() == 16 * 4 * 64  # the tensor owns the memory
