@@ -147,9 +147,11 @@ int argmax_rows(const void *x, long stride, int rows, int n, int bf16, int threa
  * time (0.98-1.01x). But a block's rows past the first 8 read its W from cache, and the hardware
  * prefetcher, which runs ahead of the misses, waits for the next block's first miss: from 8 rows
  * up, the W read and the sums took turns (8-64 rows cost about the 1-row time plus the compute).
- * So the first 8 rows ask for the next block's W as they go: the layers took 0.91-0.97x the time
- * at 8-128 rows (the same bits; 1-2 rows, all W read, keep to the hardware's prefetcher). Where
- * the CPU has AMX the tiles below run it instead. */
+ * So each group of 8 rows asks for its share of the next block's W as it goes (group g of G the
+ * k-pairs g, g + G, …; one group's whole share at once, with the sums still to run, overran the
+ * prefetch queue): the layers and lm_head took 0.83-0.86x the time at 24-64 rows, 0.87-0.97x at
+ * 16, 0.92x at 8, 0.97x at 128, 0.98-1.01x at 256-1,024 (the same bits; 1-7 rows, all W read,
+ * keep to the hardware's prefetcher; asking two blocks ahead was 1.05x slower). Where the CPU has AMX the tiles below run it instead. */
 #define GEMM_COLS 32
 #define GEMM_ROWS 8
 
@@ -328,11 +330,12 @@ void gemm_bf16_pack(const uint16_t *w, int n, int k, uint16_t *out) {
 
 #ifdef __AVX512BF16__
 /* Rows m0 .. m0+mr-1 (mr <= GEMM_ROWS, a constant where inlined) of one 32-column block; with
- * `next`, each k-pair's W lines are matched by a prefetch (into L2) of the same lines of the block
- * at `next`. */
+ * `next`, the W lines of k-pairs np, np + nstride, … of the block at `next` are asked for (into
+ * L2) as the loop passes them. */
 static inline __attribute__((always_inline)) void
 gemm_block(const uint16_t *x, long x_stride, int m0, int mr, int pairs, const uint32_t *wb,
-           const uint16_t *bias, int n, int col, uint16_t *out, const uint32_t *next) {
+           const uint16_t *bias, int n, int col, uint16_t *out, const uint32_t *next, int np,
+           int nstride) {
     __m512 a[GEMM_ROWS][2];
     const uint32_t *xr[GEMM_ROWS];
     for (int r = 0; r < mr; r++) {
@@ -342,9 +345,10 @@ gemm_block(const uint16_t *x, long x_stride, int m0, int mr, int pairs, const ui
     for (int p = 0; p < pairs; p++) {
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + (size_t)p * GEMM_COLS);
         __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + (size_t)p * GEMM_COLS + 16);
-        if (next) {
+        if (next && p == np) {
             __builtin_prefetch(next + (size_t)p * GEMM_COLS, 0, 2);
             __builtin_prefetch(next + (size_t)p * GEMM_COLS + 16, 0, 2);
+            np += nstride;
         }
         for (int r = 0; r < mr; r++) {
             __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[r][p]);
@@ -382,19 +386,20 @@ int gemm_bf16(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp
 #pragma omp parallel for num_threads(threads) schedule(dynamic, run)
     for (int nb = 0; nb < blocks; nb++) {
         const uint32_t *wb = (const uint32_t *)(wp + (size_t)nb * pairs * GEMM_COLS * 2);
-        /* the next block's W, asked for while the first 8 rows run (see the comment above) */
+        /* the next block's W, asked for a share per group of 8 rows (see the comment above) */
         const uint32_t *next = m >= GEMM_ROWS && nb + 1 < blocks ? wb + (size_t)pairs * GEMM_COLS : NULL;
         int m0 = 0;
         for (; m0 + GEMM_ROWS <= m; m0 += GEMM_ROWS)
-            gemm_block(x, x_stride, m0, GEMM_ROWS, pairs, wb, bias, n, nb * GEMM_COLS, out, m0 ? NULL : next);
+            gemm_block(x, x_stride, m0, GEMM_ROWS, pairs, wb, bias, n, nb * GEMM_COLS, out, next,
+                       m0 / GEMM_ROWS, m / GEMM_ROWS);
         switch (m - m0) { /* the last rows, each count a constant for the compiler */
-        case 1: gemm_block(x, x_stride, m0, 1, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL); break;
-        case 2: gemm_block(x, x_stride, m0, 2, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL); break;
-        case 3: gemm_block(x, x_stride, m0, 3, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL); break;
-        case 4: gemm_block(x, x_stride, m0, 4, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL); break;
-        case 5: gemm_block(x, x_stride, m0, 5, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL); break;
-        case 6: gemm_block(x, x_stride, m0, 6, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL); break;
-        case 7: gemm_block(x, x_stride, m0, 7, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL); break;
+        case 1: gemm_block(x, x_stride, m0, 1, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
+        case 2: gemm_block(x, x_stride, m0, 2, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
+        case 3: gemm_block(x, x_stride, m0, 3, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
+        case 4: gemm_block(x, x_stride, m0, 4, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
+        case 5: gemm_block(x, x_stride, m0, 5, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
+        case 6: gemm_block(x, x_stride, m0, 6, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
+        case 7: gemm_block(x, x_stride, m0, 7, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
         default: break;
         }
     }
