@@ -25,7 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -76,9 +76,12 @@ def build_id() -> str | None:
     return None if lib is None else Path(lib._name).stem.removeprefix("paged_decode-")
 
 
-def compile_library(sources: Iterable[Path], out: Path, cc: str = "gcc") -> None:
-    """Compile C `sources` into the shared object `out` with the kernel's flags."""
-    subprocess.run([cc, *FLAGS, *map(str, sources), "-o", str(out), *LIBS], check=True,
+def compile_library(sources: Iterable[Path], out: Path, cc: str = "gcc",
+                    target: Sequence[str] = ("-march=native",)) -> None:
+    """Compile C `sources` into the shared object `out` with the kernel's flags, for the CPU
+    `target` names (this one by default; tests build for others)."""
+    flags = [f for f in FLAGS if f != "-march=native"] + list(target)
+    subprocess.run([cc, *flags, *map(str, sources), "-o", str(out), *LIBS], check=True,
                    capture_output=True, text=True, timeout=120)
 
 

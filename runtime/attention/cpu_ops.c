@@ -151,7 +151,8 @@ int argmax_rows(const void *x, long stride, int rows, int n, int bf16, int threa
  * k-pairs g, g + G, …; one group's whole share at once, with the sums still to run, overran the
  * prefetch queue): the layers and lm_head took 0.83-0.86x the time at 24-64 rows, 0.87-0.97x at
  * 16, 0.92x at 8, 0.97x at 128, 0.98-1.01x at 256-1,024 (the same bits; 1-7 rows, all W read,
- * keep to the hardware's prefetcher; asking two blocks ahead was 1.05x slower). Where the CPU has AMX the tiles below run it instead. */
+ * keep to the hardware's prefetcher; asking two blocks ahead was 1.05x slower). Where the CPU
+ * has AMX the tiles below run it instead. */
 #define GEMM_COLS 32
 #define GEMM_ROWS 8
 
@@ -231,7 +232,8 @@ static void round_silu_block(const float *gate, const float *up, int rows, uint1
     for (int r = 0; r < rows; r++, o += width)
         for (int i = 0; i < GEMM_COLS; i++) {
             float g = round_bf16(gate[r * GEMM_COLS + i]);
-            o[i] = f32_to_bf16(round_bf16(g / (1.f + exp_ulp(-g))) * round_bf16(up[r * GEMM_COLS + i]));
+            float u = round_bf16(up[r * GEMM_COLS + i]);
+            o[i] = f32_to_bf16(round_bf16(g / (1.f + exp_ulp(-g))) * u);
         }
 }
 
@@ -251,7 +253,8 @@ static int gemm_amx(const uint16_t *x, long x_stride, int m, int k, const uint16
     int runs = (blocks + run - 1) / run;
 #pragma omp parallel num_threads(threads)
     {
-        float c[32 * GEMM_COLS] __attribute__((aligned(64))), cu[32 * GEMM_COLS] __attribute__((aligned(64)));
+        float c[32 * GEMM_COLS] __attribute__((aligned(64)));
+        float cu[32 * GEMM_COLS] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int rb = 0; rb < row_blocks; rb++)
             for (int r = 0; r < 32; r++)
@@ -279,7 +282,8 @@ static int gemm_amx(const uint16_t *x, long x_stride, int m, int k, const uint16
                         uint16_t *o = out + (size_t)rb * 32 * width + nb * GEMM_COLS;
                         amx_rows(a, rows, wb, chunks, c);
                         if (silu) {
-                            amx_rows(a, rows, wb + (size_t)blocks * pairs * GEMM_COLS * 2, chunks, cu);
+                            const uint16_t *wu = wb + (size_t)blocks * pairs * GEMM_COLS * 2;
+                            amx_rows(a, rows, wu, chunks, cu);
                             round_silu_block(c, cu, rows, o, width);
                         } else {
                             round_block(c, rows, b0, b1, o, width);
@@ -387,19 +391,18 @@ int gemm_bf16(const uint16_t *x, long x_stride, int m, int k, const uint16_t *wp
     for (int nb = 0; nb < blocks; nb++) {
         const uint32_t *wb = (const uint32_t *)(wp + (size_t)nb * pairs * GEMM_COLS * 2);
         /* the next block's W, asked for a share per group of 8 rows (see the comment above) */
-        const uint32_t *next = m >= GEMM_ROWS && nb + 1 < blocks ? wb + (size_t)pairs * GEMM_COLS : NULL;
+        const uint32_t *next =
+            m >= GEMM_ROWS && nb + 1 < blocks ? wb + (size_t)pairs * GEMM_COLS : NULL;
         int m0 = 0;
         for (; m0 + GEMM_ROWS <= m; m0 += GEMM_ROWS)
             gemm_block(x, x_stride, m0, GEMM_ROWS, pairs, wb, bias, n, nb * GEMM_COLS, out, next,
                        m0 / GEMM_ROWS, m / GEMM_ROWS);
         switch (m - m0) { /* the last rows, each count a constant for the compiler */
-        case 1: gemm_block(x, x_stride, m0, 1, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
-        case 2: gemm_block(x, x_stride, m0, 2, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
-        case 3: gemm_block(x, x_stride, m0, 3, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
-        case 4: gemm_block(x, x_stride, m0, 4, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
-        case 5: gemm_block(x, x_stride, m0, 5, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
-        case 6: gemm_block(x, x_stride, m0, 6, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
-        case 7: gemm_block(x, x_stride, m0, 7, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); break;
+#define TAIL(R) \
+    case R: gemm_block(x, x_stride, m0, R, pairs, wb, bias, n, nb * GEMM_COLS, out, NULL, 0, 0); \
+        break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7)
+#undef TAIL
         default: break;
         }
     }

@@ -778,6 +778,8 @@ static void attend_chunk_bf16(const uint16_t *q, float scale, int kvh, int rows,
     }
 }
 
+#endif
+
 /* Scratch floats for attend_head_amx where this CPU runs it on rows x hd (bf16, hd a multiple of
  * 32; Linux lets us use the tiles), else 0. */
 static size_t amx_attention(int bf16, int rows, int hd) {
@@ -787,7 +789,6 @@ static size_t amx_attention(int bf16, int rows, int hd) {
     (void)bf16; (void)rows; (void)hd;
     return 0;
 }
-#endif
 
 /* q: [seqs, kvh, rows, hd]; k_cache, v_cache: [pages, ps, kvh, hd]; table: [seqs, max_pages];
  * lens: [seqs] context lengths; out: [seqs, kvh, rows, hd] (q's dtype); lse: [seqs, kvh, rows]
