@@ -1,5 +1,6 @@
 """The layers' bf16 GEMMs on this CPU: the kernel library's `gemm_bf16` against oneDNN's packed
-linear, alternated in one process.
+linear (or, with `--base`, against the same library at another git revision), alternated in one
+process.
 
 Times one decode step's GEMMs of a model's shape (SmolLM2-135M by default: 30 layers of qkv,
 o, gate_up and down, then the lm_head), each layer its own random weights so that they stream
@@ -9,13 +10,17 @@ oneDNN's); on one with AMX both run on AMX tiles.
 
     python bench/cpu_gemm.py
     python bench/cpu_gemm.py --rows 1,8,32,128,2048 --rounds 5
+    python bench/cpu_gemm.py --base 96f36ab --rows 8,32,64   # the kernel at a revision instead
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -23,6 +28,7 @@ if __package__ in (None, ""):
 
 import torch
 
+from bench.cpu_decode_attention import build, checkout_kernel
 from runtime.attention import cpu_kernel
 from runtime.model import _packed_linear
 
@@ -36,7 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rows", default="2,16,32,64")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--base", metavar="REV", help="compare the kernel library as it was at this "
+                    "git revision instead of oneDNN")
     args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        return _compare(args, Path(tmp))
+
+
+def _compare(args: argparse.Namespace, tmp: Path) -> int:
 
     lib = cpu_kernel.load()
     h, inter = args.hidden, args.intermediate
@@ -50,15 +63,21 @@ def main(argv: list[str] | None = None) -> int:
         return (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
 
     plain = [[weight(n, k) for n, k in shapes] for _ in range(args.layers)] + [[weight(args.vocab, h)]]
-    packs = {
-        "oneDNN": ([[torch.ops.mkldnn._reorder_linear_weight(w) for w in ws] for ws in plain],
-                   _packed_linear),
-        "kernel": ([[cpu_kernel.pack_weight(lib, w) for w in ws] for ws in plain],
-                   lambda x, w: cpu_kernel.linear(lib, x, w)),
-    }
+    def kernel(lib: ctypes.CDLL) -> tuple[list[list[torch.Tensor]], Callable[..., torch.Tensor]]:
+        return ([[cpu_kernel.pack_weight(lib, w) for w in ws] for ws in plain],
+                lambda x, w: cpu_kernel.linear(lib, x, w))
+
+    if args.base:
+        base = build(checkout_kernel(args.base, tmp / "base"), tmp / "base.so")
+        packs = {args.base: kernel(cpu_kernel.declare(base)), "kernel": kernel(lib)}
+    else:
+        packs = {"oneDNN": ([[torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
+                             for ws in plain], _packed_linear), "kernel": kernel(lib)}
     print(f"{args.layers} layers of {shapes} + lm_head {args.vocab}, bf16, "
           f"{torch.get_num_threads()} threads, the kernel's {cpu_kernel.gemm_kind(lib)} GEMM")
-    print("| rows | oneDNN layers ms | kernel layers ms | ratio | oneDNN lm_head ms | kernel lm_head ms | ratio |")
+    ref = next(iter(packs))
+    print(f"| rows | {ref} layers ms | kernel layers ms | ratio | {ref} lm_head ms | "
+          "kernel lm_head ms | ratio |")
     print("|---|---|---|---|---|---|---|")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in (h, inter)}
