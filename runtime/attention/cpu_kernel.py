@@ -38,8 +38,9 @@ SOURCES = (SOURCE, SOURCE.with_name("cpu_ops.c"))  # compiled into one library
 HEADERS = (SOURCE.with_name("cpu_common.h"),)
 # Reassociation lets the dot products and sums vectorise. Not -ffast-math: linking with it sets
 # flush-to-zero for the whole process (crtfastmath), changing everyone's floating point.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-         "-fassociative-math", "-fno-signed-zeros", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-shared", "-fPIC"]
+NATIVE = ("-march=native",)  # the CPU the engine's library is built for: this one
 LIBS = ["-lm"]
 CHUNK_TOKENS = 256  # a longer context is split into chunks that run in parallel
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # dtype -> the kernel's `bf16` flag
@@ -66,7 +67,7 @@ def _cpu_id() -> str:
 def _build_key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, *LIBS, version, _cpu_id()]).encode())
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, *NATIVE, *LIBS, version, _cpu_id()]).encode())
     return key.hexdigest()[:16]
 
 
@@ -77,11 +78,10 @@ def build_id() -> str | None:
 
 
 def compile_library(sources: Iterable[Path], out: Path, cc: str = "gcc",
-                    target: Sequence[str] = ("-march=native",)) -> None:
+                    target: Sequence[str] = NATIVE) -> None:
     """Compile C `sources` into the shared object `out` with the kernel's flags, for the CPU
     `target` names (this one by default; tests build for others)."""
-    flags = [f for f in FLAGS if f != "-march=native"] + list(target)
-    subprocess.run([cc, *flags, *map(str, sources), "-o", str(out), *LIBS], check=True,
+    subprocess.run([cc, *FLAGS, *target, *map(str, sources), "-o", str(out), *LIBS], check=True,
                    capture_output=True, text=True, timeout=120)
 
 
