@@ -50,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compare(args: argparse.Namespace, tmp: Path) -> int:
-
     lib = cpu_kernel.load()
     h, inter = args.hidden, args.intermediate
     shapes = [(args.qkv, h), (h, h), (2 * inter, h), (h, inter)]  # (out, in) of each GEMM
@@ -63,6 +62,7 @@ def _compare(args: argparse.Namespace, tmp: Path) -> int:
         return (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
 
     plain = [[weight(n, k) for n, k in shapes] for _ in range(args.layers)] + [[weight(args.vocab, h)]]
+
     def kernel(lib: ctypes.CDLL) -> tuple[list[list[torch.Tensor]], Callable[..., torch.Tensor]]:
         return ([[cpu_kernel.pack_weight(lib, w) for w in ws] for ws in plain],
                 lambda x, w: cpu_kernel.linear(lib, x, w))
