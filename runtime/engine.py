@@ -24,7 +24,7 @@ from runtime.errors import EngineFatalError
 from runtime.grammar import Grammars
 from runtime.kv_cache import PagedKVPool, default_kv_memory_bytes
 from runtime.model import LlamaModel
-from runtime.radix_cache import RadixCache, RadixNode
+from runtime.radix_cache import PageCopies, RadixCache, RadixNode
 from runtime.sampler import Sampler, SamplingState, StopChecker
 from runtime.types import (
     Choice,
@@ -211,6 +211,9 @@ class Engine:
             from runtime.overlap import StepOverlap
 
             self._overlap = StepOverlap(self.model.device)
+        # shared partial pages, copied in the forward (not by the overlapped CUDA path)
+        self.copies = (PageCopies(self.cache) if self.attn.copies_pages and self._overlap is None
+                       else None)
         self.sampler = Sampler()
         # The planner's view of this model on this device: a measured profile's (set by the
         # caller, see runtime/profile.py) or, unmeasured, the model's shape on a device that
@@ -569,11 +572,19 @@ class Engine:
 
     def _start(self, seq: _Seq, pages: list[int], node: RadixNode) -> None:
         """Give a waiting sequence its cached prefix (`cache.match_prefix`'s pages and node:
-        whole pages, at least one token left to run)."""
+        whole pages, at least one token left to run), and the tokens after it that a cached
+        page begins with, in a page of its own (PageCopies)."""
         ps = self.pool.page_size
         self.cache.lock(node)
         self._no_longer_waiting(seq)
         seq.pages, seq.tree_pages, seq.node, seq.computed = pages, len(pages), node, len(pages) * ps
+        if self.copies is not None:
+            left = len(seq.tokens) - 1 - seq.computed
+            hit = self.copies.share(node, seq.tokens, len(pages), left,
+                                    lambda: self.pool.alloc(1)[0] if self._free_pages(1) else None)
+            if hit is not None:
+                seq.pages.append(hit[0])
+                seq.computed += hit[1]
         if seq.group.cached_tokens < 0:
             seq.group.cached_tokens = seq.computed
             self._count(cached_tokens=seq.computed)
@@ -588,6 +599,8 @@ class Engine:
         self._count(preemptions=1)
 
     def _release(self, seq: _Seq) -> None:
+        if self.copies is not None:
+            self.copies.cancel(seq.pages[seq.tree_pages :])
         self.pool.free(seq.pages[seq.tree_pages :])
         if seq.node is not None:
             self.cache.unlock(seq.node)
@@ -607,6 +620,8 @@ class Engine:
             raise EngineFatalError("the prefix cache lost pages it was just given")
         dup = [mine for mine, t in zip(seq.pages[seq.tree_pages : full], tree[seq.tree_pages :])
                if mine != t]
+        if self.copies is not None:  # the cache's page holds it all: no copy into ours
+            self.copies.cancel(dup)
         self.pool.free(dup)
         self.cache.lock(node)
         if seq.node is not None:
@@ -627,8 +642,9 @@ class Engine:
         num_decode = sum(1 for e in batch if _decodes(*e))
         ab = AttentionBatch(
             q_lens=[n for _, n in batch], kv_lens=[s.computed + n for s, n in batch],
-            page_tables=[s.pages for s, _ in batch], num_decode=num_decode)
-        if self._overlap is not None:  # two nano-batches on two streams, when worth it
+            page_tables=[s.pages for s, _ in batch], num_decode=num_decode,
+            page_copies=self.copies.batch() if self.copies is not None else ())
+        if self._overlap is not None and not ab.page_copies:  # two nano-batches, two streams
             logits = self._run_overlapped(ab, ids, pos, rows)
             if logits is not None:
                 return logits, None
@@ -639,6 +655,8 @@ class Engine:
 
         # logits stay on the device: _apply brings back token ids only, where it can
         logits = self.model.forward(t(ids), t(pos), self.attn, plan, t(rows))
+        if self.copies is not None:
+            self.copies.done()
         return logits, getattr(plan, "kv_read", None)
 
     def _run_overlapped(self, ab: AttentionBatch, ids: list[int], pos: list[int],

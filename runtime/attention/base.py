@@ -31,6 +31,9 @@ class AttentionBatch:
     kv_lens: Sequence[int]  # context length after this step (cached + new), >= q_len
     page_tables: Sequence[Sequence[int]]  # pages holding each sequence's context, in order
     num_decode: int  # how many leading sequences decode (q_len == 1)
+    # (src page, dst page, n): copy the first n slots of src into dst in every layer, after the
+    # step's new K/V are written and before attending (shared partial pages, see PageCopies)
+    page_copies: Sequence[tuple[int, int, int]] = ()
 
 
 class AttentionBackend(ABC):
@@ -42,6 +45,8 @@ class AttentionBackend(ABC):
         self.pool = pool
         self.num_heads = num_heads
         self.scale = scale
+
+    copies_pages = False  # whether forward does AttentionBatch.page_copies
 
     @property
     def cascades(self) -> bool:

@@ -131,6 +131,7 @@ class TorchPlan:
     # SDPA; index = token rows of q[num_decode:] (None: all)
     prefill: _PagedPrefill | tuple[tuple[torch.Tensor | None, _Dense], ...]
     kv_read: int  # KV tokens the decodes read: own pages, plus each shared group's pages once
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None  # page_copies' (src, dst) slots
 
 
 def _slots(batch: AttentionBatch, page_size: int) -> torch.Tensor:
@@ -144,8 +145,20 @@ def _slots(batch: AttentionBatch, page_size: int) -> torch.Tensor:
     return table[seq_of_tok, pos // page_size] * page_size + pos % page_size  # [T]
 
 
+def _copy_slots(copies: Sequence[tuple[int, int, int]], page_size: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The pool slots AttentionBatch.page_copies read from and write to."""
+    if not copies:
+        return None
+    src = [s * page_size + i for s, _, n in copies for i in range(n)]
+    dst = [d * page_size + i for _, d, n in copies for i in range(n)]
+    return (torch.tensor(src, dtype=torch.long, device=device),
+            torch.tensor(dst, dtype=torch.long, device=device))
+
+
 @register_backend("torch")
 class TorchAttention(AttentionBackend):
+    copies_pages = True
     min_shared_pages = 2  # cascade only when a group shares at least this many pages
     decode_buckets = 4  # at most this many length buckets of decodes (>= 16 decodes each)
 
@@ -281,7 +294,8 @@ class TorchAttention(AttentionBackend):
         if shared_plan is not None:
             groups = {(batch.page_tables[i][0], n) for i, n in enumerate(shared) if n}
             kv_read -= sum(n for n in shared) * ps - sum(n for _, n in groups) * ps
-        return TorchPlan(slots, nd, tuple(decode), shared_plan, in_place or tuple(prefill), kv_read)
+        return TorchPlan(slots, nd, tuple(decode), shared_plan, in_place or tuple(prefill), kv_read,
+                         _copy_slots(batch.page_copies, ps, slots.device))
 
     def _attend(self, q: torch.Tensor, d: _Dense | _Paged, k_flat: torch.Tensor,
                 v_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -327,6 +341,10 @@ class TorchAttention(AttentionBackend):
         # 1. write this step's K/V into their slots
         k_cache.view(-1, kvh, hd).index_copy_(0, plan.slots, k)
         v_cache.view(-1, kvh, hd).index_copy_(0, plan.slots, v)
+        if plan.copies is not None:  # shared partial pages, once this step's K/V are in
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, kvh, hd)
+                flat.index_copy_(0, plan.copies[1], flat.index_select(0, plan.copies[0]))
         k_flat = k_cache.view(pool.num_pages, -1)  # [pages, ps*kvh*hd]
         v_flat = v_cache.view(pool.num_pages, -1)
         outs = []

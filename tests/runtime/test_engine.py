@@ -217,6 +217,37 @@ def test_requests_admitted_together_compute_a_shared_prefix_once() -> None:
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("together", [True, False], ids=["one-step", "later"])
+def test_a_prefix_that_ends_inside_a_page_is_shared_to_the_token(together: bool) -> None:
+    # 42 shared tokens: 10 pages of 4 and 2 tokens of the 11th, which the later requests copy
+    # into a page of their own (from a page prefilled in the same step, or cached before)
+    # instead of computing them again; each still gives what it gives alone.
+    ps = [p[:42] + [i + 1] + p[42:] for i, p in enumerate(prompts(4, prefix=42, seed=5))]
+    reqs = greedy(ps)
+    engine = make_engine(max_batch_tokens=512)
+    out = run(engine, reqs) if together else run(engine, reqs[:1]) | run(engine, reqs[1:])
+    assert [out[f"r{i}"].cached_tokens for i in range(4)] == [0, 42, 42, 42]
+    assert engine.stats.prefill_tokens == sum(len(p) for p in ps) - 3 * 42
+    alone = {r.id: run(make_engine(), [r])[r.id].choices[0].token_ids for r in reqs}
+    assert {k: o.choices[0].token_ids for k, o in out.items()} == alone
+    assert_no_leaks(engine)
+
+
+def test_a_prompt_seen_in_the_same_step_computes_only_its_last_token() -> None:
+    # The copy into the second's last page is dropped when that page turns out to be the
+    # first's: the page is freed at once and the third request's first page, written this step.
+    same = prompts(1, prefix=12, lo=0, hi=1)[0]
+    ps = [same, same, [same[0] % 299 + 1, *prompts(1, lo=11, hi=12, seed=6)[0]]]
+    reqs = greedy(ps)
+    engine = make_engine(max_batch_tokens=512)
+    out = run(engine, reqs)
+    assert out["r1"].cached_tokens == 11 and engine.stats.prefill_tokens == 12 + 1 + 12
+    alone = {r.id: run(make_engine(), [r])[r.id].choices[0].token_ids for r in reqs}
+    assert {k: o.choices[0].token_ids for k, o in out.items()} == alone
+    assert not engine.copies.pending  # type: ignore[union-attr]
+    assert_no_leaks(engine)
+
+
 def test_a_prefix_prefilled_over_several_steps_is_computed_once() -> None:
     # A 120-token shared prefix in 32-token steps: the second request starts only after the
     # first has cached the whole prefix, and computes its own suffix alone.
@@ -233,7 +264,7 @@ def test_a_prefix_prefilled_over_several_steps_is_computed_once() -> None:
 
 def test_every_step_is_logged_with_its_shape() -> None:
     engine = make_engine(max_batch_tokens=512)
-    ps = prompts(3, lo=10, hi=11)
+    ps = [[i + 1, *p] for i, p in enumerate(prompts(3, lo=9, hi=10))]  # nothing in common
     run(engine, greedy(ps, max_tokens=4))
     log = engine.step_log
     assert log[0].tokens == sum(len(p) for p in ps) and log[0].rows == 3 and log[0].decodes == 0

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from runtime.radix_cache import PrefixDemand, RadixCache, RadixNode, page_hashes
+from runtime import radix_cache
+from runtime.radix_cache import PageCopies, PrefixDemand, RadixCache, RadixNode, page_hashes
 
 PS = 2
 
@@ -31,6 +32,48 @@ def test_match_respects_max_pages() -> None:
     cache, _ = make_cache()
     cache.insert([1, 2, 3, 4], [10, 11])
     assert cache.match_prefix([1, 2, 3, 4], max_pages=1)[0] == [10]
+
+
+def test_a_partial_match_finds_the_child_sharing_the_longest_run_of_a_page() -> None:
+    cache = RadixCache(4, lambda pages: None)
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], [10, 11])
+    cache.insert([1, 2, 3, 4, 5, 9, 9, 9], [10, 12])
+    cache.insert([1, 2, 3, 4, 5, 6, 9, 9], [10, 13])
+    pages, node = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 0])
+    assert pages == [10]
+    holder, n = cache.match_partial(node, [1, 2, 3, 4, 5, 6, 7, 0], 1, 3)  # type: ignore[misc]
+    assert (holder.pages[0], n) == (11, 3)  # [5, 6, 7] of [5, 6, 7, 8]
+    assert cache.match_partial(node, [1, 2, 3, 4, 5, 6, 7], 1, 2)[1] == 2  # type: ignore[index]
+    assert cache.match_partial(node, [1, 2, 3, 4, 5, 6, 7, 8, 0], 1, 9)[1] == 3  # < a page
+    assert cache.match_partial(node, [1, 2, 3, 4, 7, 7], 1, 2) is None  # no token in common
+
+
+def test_a_partial_match_skips_a_node_with_too_many_children(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cache, _ = make_cache()
+    for i in range(3):
+        cache.insert([1, 2, 3, i], [10, 20 + i])
+    _, node = cache.match_prefix([1, 2, 3, 9])  # [1, 2], then 3 begins each of 3 children
+    assert cache.match_partial(node, [1, 2, 3, 9], 1, 1) is not None
+    monkeypatch.setattr(radix_cache, "PARTIAL_SCAN", 2)
+    assert cache.match_partial(node, [1, 2, 3, 9], 1, 1) is None
+
+
+def test_page_copies_hold_their_source_until_done_and_cancel_by_destination() -> None:
+    cache, freed = make_cache()
+    cache.insert([1, 2, 3, 4], [10, 11])
+    node = cache.match_prefix([1, 2, 3, 9])[1]
+    copies = PageCopies(cache)
+    pages = iter([30, 31])
+    assert copies.share(node, [1, 2, 3, 9], 1, 1, lambda: next(pages)) == (30, 1)
+    assert copies.share(node, [1, 2, 3, 8], 1, 1, lambda: next(pages)) == (31, 1)
+    assert copies.share(node, [1, 2, 3, 7], 1, 1, lambda: None) is None  # no room: no copy
+    assert copies.batch() == [(11, 30, 1), (11, 31, 1)] and copies.writes(31)
+    copies.cancel([30])
+    assert copies.batch() == [(11, 31, 1)]
+    assert cache.evict(2) == 0  # still held for the copy into 31
+    copies.done()
+    assert copies.batch() == [] and cache.evict(2) == 2 and sorted(freed) == [10, 11]
 
 
 def test_insert_reports_the_already_cached_pages() -> None:
