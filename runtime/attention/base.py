@@ -31,22 +31,21 @@ class AttentionBatch:
     kv_lens: Sequence[int]  # context length after this step (cached + new), >= q_len
     page_tables: Sequence[Sequence[int]]  # pages holding each sequence's context, in order
     num_decode: int  # how many leading sequences decode (q_len == 1)
-    # (src page, dst page, n): copy the first n slots of src into dst in every layer, after the
-    # step's new K/V are written and before attending (shared partial pages, see PageCopies)
-    page_copies: Sequence[tuple[int, int, int]] = ()
+    # (src page, dst page, lo, hi): copy slots lo .. hi - 1 of src into dst in every layer, after
+    # the step's new K/V are written and before attending (shared partial pages: PageCopies)
+    page_copies: Sequence[tuple[int, int, int, int]] = ()
 
 
 class AttentionBackend(ABC):
     """Writes the step's new K/V into the paged pool and attends over each sequence's pages."""
 
     name: str = ""
+    copies_pages = False  # whether forward does AttentionBatch.page_copies
 
     def __init__(self, pool: PagedKVPool, *, num_heads: int, scale: float) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.scale = scale
-
-    copies_pages = False  # whether forward does AttentionBatch.page_copies
 
     @property
     def cascades(self) -> bool:

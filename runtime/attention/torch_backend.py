@@ -145,13 +145,13 @@ def _slots(batch: AttentionBatch, page_size: int) -> torch.Tensor:
     return table[seq_of_tok, pos // page_size] * page_size + pos % page_size  # [T]
 
 
-def _copy_slots(copies: Sequence[tuple[int, int, int]], page_size: int,
+def _copy_slots(copies: Sequence[tuple[int, int, int, int]], page_size: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The pool slots AttentionBatch.page_copies read from and write to."""
     if not copies:
         return None
-    src = [s * page_size + i for s, _, n in copies for i in range(n)]
-    dst = [d * page_size + i for _, d, n in copies for i in range(n)]
+    src = [s * page_size + i for s, _, lo, hi in copies for i in range(lo, hi)]
+    dst = [d * page_size + i for _, d, lo, hi in copies for i in range(lo, hi)]
     return (torch.tensor(src, dtype=torch.long, device=device),
             torch.tensor(dst, dtype=torch.long, device=device))
 

@@ -233,6 +233,24 @@ def test_a_prefix_that_ends_inside_a_page_is_shared_to_the_token(together: bool)
     assert_no_leaks(engine)
 
 
+def test_a_page_copied_into_in_the_same_step_is_shared_on() -> None:
+    # Past 10 shared pages of 4: r1 shares 1 token of r0's 11th page, r2 3 tokens of r1's,
+    # whose first slot is itself copied in that step.
+    base = prompts(1, prefix=41, lo=0, hi=1, seed=7)[0]
+    ps = [base + [7, 7, 7, 1, 2], base + [8, 9, 5, 3], base + [8, 9, 6, 4]]
+    reqs = greedy(ps)
+    engine = make_engine(max_batch_tokens=512)
+    out = run(engine, reqs)
+    assert [out[f"r{i}"].cached_tokens for i in range(3)] == [0, 41, 43]
+    alone = {r.id: run(make_engine(), [r])[r.id].choices[0].token_ids for r in reqs}
+    assert {k: o.choices[0].token_ids for k, o in out.items()} == alone
+    single = make_engine()
+    run(single, reqs[2:])
+    ours, its = (e.cache.match_prefix(ps[2])[0][10] for e in (engine, single))
+    assert torch.equal(engine.pool.data[:, :, ours], single.pool.data[:, :, its])  # r2's 11th
+    assert_no_leaks(engine)
+
+
 def test_a_prompt_seen_in_the_same_step_computes_only_its_last_token() -> None:
     # The copy into the second's last page is dropped when that page turns out to be the
     # first's: the page is freed at once and the third request's first page, written this step.

@@ -68,12 +68,26 @@ def test_page_copies_hold_their_source_until_done_and_cancel_by_destination() ->
     assert copies.share(node, [1, 2, 3, 9], 1, 1, lambda: next(pages)) == (30, 1)
     assert copies.share(node, [1, 2, 3, 8], 1, 1, lambda: next(pages)) == (31, 1)
     assert copies.share(node, [1, 2, 3, 7], 1, 1, lambda: None) is None  # no room: no copy
-    assert copies.batch() == [(11, 30, 1), (11, 31, 1)] and copies.writes(31)
+    assert copies.batch() == [(11, 30, 0, 1), (11, 31, 0, 1)]
     copies.cancel([30])
-    assert copies.batch() == [(11, 31, 1)]
+    assert copies.batch() == [(11, 31, 0, 1)]
     assert cache.evict(2) == 0  # still held for the copy into 31
     copies.done()
     assert copies.batch() == [] and cache.evict(2) == 2 and sorted(freed) == [10, 11]
+
+
+def test_a_page_still_being_copied_into_gives_its_copied_slots_from_their_source() -> None:
+    cache = RadixCache(4, lambda pages: None)
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], [10, 11])
+    copies = PageCopies(cache)
+    node = cache.match_prefix([1, 2, 3, 4, 5, 6, 0, 0])[1]
+    assert copies.share(node, [1, 2, 3, 4, 5, 6, 0, 0], 1, 3, lambda: 30) == (30, 2)
+    cache.insert([1, 2, 3, 4, 5, 6, 9, 9], [10, 30])  # its prefill fills page 30 this step
+    assert copies.share(node, [1, 2, 3, 4, 5, 6, 9, 0], 1, 3, lambda: 31) == (31, 3)
+    # page 30's slots 0, 1 arrive from page 11 in the same pass: read them there
+    assert copies.batch() == [(11, 30, 0, 2), (11, 31, 0, 2), (30, 31, 2, 3)]
+    copies.done()
+    assert all(n.ref == 0 for n in cache.nodes())
 
 
 def test_insert_reports_the_already_cached_pages() -> None:
