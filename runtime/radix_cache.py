@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-PARTIAL_SCAN = 64  # match_partial looks through at most this many children of a node
+PARTIAL_SCAN = 1024  # match_partial looks through at most this many children of a node
 
 
 @dataclass(eq=False)
@@ -120,7 +120,9 @@ class RadixCache:
         a = start * self.page_size
         want = tokens[a : a + min(limit, self.page_size - 1)]
         best, best_n = None, 0
-        for child in node.children.values():
+        for first, child in node.children.items():
+            if not want or first[0] != want[0]:
+                continue
             n = 0
             for x, y in zip(want, child.key):
                 if x != y:
