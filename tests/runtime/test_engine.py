@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -249,6 +250,27 @@ def test_a_page_copied_into_in_the_same_step_is_shared_on() -> None:
     ours, its = (e.cache.match_prefix(ps[2])[0][10] for e in (engine, single))
     assert torch.equal(engine.pool.data[:, :, ours], single.pool.data[:, :, its])  # r2's 11th
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("seed", [1, 3, 4])
+def test_prefixes_ending_anywhere_in_a_page_under_preemption_give_what_a_roomy_pool_does(
+        seed: int) -> None:
+    # 24 prompts cut from one trunk at random lengths (shared runs end anywhere in a page) in a
+    # pool that forces preemptions and evictions: copies dropped with their pages, sources
+    # held until copied. Without the copies every one of these seeds gives other tokens.
+    rng = random.Random(seed)
+    trunk = [rng.randrange(1, VOCAB) for _ in range(40)]
+    ps = [trunk[: rng.randrange(40)] + [rng.choice([5, 6, 7]) for _ in range(rng.randrange(1, 6))]
+          + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 12))] for _ in range(24)]
+    reqs = greedy(ps, max_tokens=12)
+    model = tiny_model()
+    tight = make_engine(model, pages=32, max_batch_tokens=32)
+    out = run(tight, reqs)
+    roomy = run(make_engine(model, pages=1024, max_batch_tokens=512), reqs)
+    assert tight.stats.preemptions > 0
+    assert {k: o.choices[0].token_ids for k, o in out.items()} == {
+        k: o.choices[0].token_ids for k, o in roomy.items()}
+    assert_no_leaks(tight)
 
 
 def test_a_prompt_seen_in_the_same_step_computes_only_its_last_token() -> None:
