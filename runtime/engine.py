@@ -211,9 +211,8 @@ class Engine:
             from runtime.overlap import StepOverlap
 
             self._overlap = StepOverlap(self.model.device)
-        # shared partial pages, copied in the forward (not by the overlapped CUDA path)
-        self.copies = (PageCopies(self.cache) if self.attn.copies_pages and self._overlap is None
-                       else None)
+        # shared partial pages, copied in the forward (a step with copies is not overlapped)
+        self.copies = PageCopies(self.cache) if self.attn.copies_pages else None
         self.sampler = Sampler()
         # The planner's view of this model on this device: a measured profile's (set by the
         # caller, see runtime/profile.py) or, unmeasured, the model's shape on a device that

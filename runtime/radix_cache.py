@@ -115,13 +115,13 @@ class RadixCache:
         page_size - 1) tokens, and that run's length; None if no child shares a token (or
         `node` has too many children to look through). The child's first page holds the K/V
         of that run, followed by a prompt that went on differently."""
-        if not 0 < len(node.children) <= PARTIAL_SCAN:
-            return None
         a = start * self.page_size
         want = tokens[a : a + min(limit, self.page_size - 1)]
+        if not want or not 0 < len(node.children) <= PARTIAL_SCAN:
+            return None
         best, best_n = None, 0
         for first, child in node.children.items():
-            if not want or first[0] != want[0]:
+            if first[0] != want[0]:
                 continue
             n = 0
             for x, y in zip(want, child.key):
@@ -291,12 +291,10 @@ class RadixCache:
 
 @dataclass(eq=False)
 class PageCopy:
-    """Slots lo .. hi - 1 of page `src` into the same slots of page `dst`, in every layer."""
+    """Into page `dst`, in every layer: slots lo .. hi - 1 of page src, for each (src, lo, hi)."""
 
-    src: int  # the page the slots come from
     dst: int  # the starting request's own page
-    lo: int
-    hi: int
+    ranges: list[tuple[int, int, int]]
     holder: RadixNode  # locked until the copy is done: the pages it reads stay where they are
 
 
@@ -325,24 +323,21 @@ class PageCopies:
         if page is None:
             self.cache.unlock(holder)
             return None
-        for k, (src, lo, hi) in enumerate(self._sources(holder.pages[0], n)):
-            if k:
-                self.cache.lock(holder)  # once per copy: `done` and `cancel` unlock each
-            self.pending.append(PageCopy(src, page, lo, hi, holder))
+        self.pending.append(PageCopy(page, self._sources(holder.pages[0], n), holder))
         return page, n
 
     def _sources(self, page: int, n: int) -> list[tuple[int, int, int]]:
         """(src, lo, hi) ranges holding slots 0 .. n - 1 of `page` when the copies run: those
         still to be copied into it from their own sources, the rest from the page itself
         (the step writes them first)."""
-        into = [c for c in self.pending if c.dst == page]
-        out = [(c.src, c.lo, min(c.hi, n)) for c in into if c.lo < n]
-        copied = max((c.hi for c in into), default=0)
+        into = next((c.ranges for c in self.pending if c.dst == page), [])
+        out = [(src, lo, min(hi, n)) for src, lo, hi in into if lo < n]
+        copied = max((hi for _, _, hi in into), default=0)
         return out + [(page, copied, n)] if n > copied else out
 
     def batch(self) -> list[tuple[int, int, int, int]]:
         """(src, dst, lo, hi) of every pending copy, for the next forward."""
-        return [(c.src, c.dst, c.lo, c.hi) for c in self.pending]
+        return [(src, c.dst, lo, hi) for c in self.pending for src, lo, hi in c.ranges]
 
     def done(self) -> None:
         """The forward has run: release the sources."""

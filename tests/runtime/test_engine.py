@@ -84,6 +84,15 @@ def run(engine: Engine, reqs: list[EngineRequest], **kw: object) -> dict[str, Re
     return {o.id: o for o in engine.generate(reqs, policy=policy, **kw)}  # type: ignore[arg-type]
 
 
+def tokens(outs: dict[str, RequestOutput]) -> dict[str, tuple[int, ...]]:
+    return {k: o.choices[0].token_ids for k, o in outs.items()}
+
+
+def alone(reqs: list[EngineRequest]) -> dict[str, tuple[int, ...]]:
+    """Each request's tokens, run by itself in a fresh engine."""
+    return {r.id: run(make_engine(), [r])[r.id].choices[0].token_ids for r in reqs}
+
+
 def assert_no_leaks(engine: Engine) -> None:
     """Every page is free or held by the cache, and no cache node is still referenced."""
     assert engine.pool.num_free + engine.cache.total_pages == engine.pool.num_pages
@@ -229,8 +238,7 @@ def test_a_prefix_that_ends_inside_a_page_is_shared_to_the_token(together: bool)
     out = run(engine, reqs) if together else run(engine, reqs[:1]) | run(engine, reqs[1:])
     assert [out[f"r{i}"].cached_tokens for i in range(4)] == [0, 42, 42, 42]
     assert engine.stats.prefill_tokens == sum(len(p) for p in ps) - 3 * 42
-    alone = {r.id: run(make_engine(), [r])[r.id].choices[0].token_ids for r in reqs}
-    assert {k: o.choices[0].token_ids for k, o in out.items()} == alone
+    assert tokens(out) == alone(reqs)
     assert_no_leaks(engine)
 
 
@@ -243,8 +251,7 @@ def test_a_page_copied_into_in_the_same_step_is_shared_on() -> None:
     engine = make_engine(max_batch_tokens=512)
     out = run(engine, reqs)
     assert [out[f"r{i}"].cached_tokens for i in range(3)] == [0, 41, 43]
-    alone = {r.id: run(make_engine(), [r])[r.id].choices[0].token_ids for r in reqs}
-    assert {k: o.choices[0].token_ids for k, o in out.items()} == alone
+    assert tokens(out) == alone(reqs)
     single = make_engine()
     run(single, reqs[2:])
     ours, its = (e.cache.match_prefix(ps[2])[0][10] for e in (engine, single))
@@ -268,8 +275,7 @@ def test_prefixes_ending_anywhere_in_a_page_under_preemption_give_what_a_roomy_p
     out = run(tight, reqs)
     roomy = run(make_engine(model, pages=1024, max_batch_tokens=512), reqs)
     assert tight.stats.preemptions > 0
-    assert {k: o.choices[0].token_ids for k, o in out.items()} == {
-        k: o.choices[0].token_ids for k, o in roomy.items()}
+    assert tokens(out) == tokens(roomy)
     assert_no_leaks(tight)
 
 
@@ -282,8 +288,7 @@ def test_a_prompt_seen_in_the_same_step_computes_only_its_last_token() -> None:
     engine = make_engine(max_batch_tokens=512)
     out = run(engine, reqs)
     assert out["r1"].cached_tokens == 11 and engine.stats.prefill_tokens == 12 + 1 + 12
-    alone = {r.id: run(make_engine(), [r])[r.id].choices[0].token_ids for r in reqs}
-    assert {k: o.choices[0].token_ids for k, o in out.items()} == alone
+    assert tokens(out) == alone(reqs)
     assert not engine.copies.pending  # type: ignore[union-attr]
     assert_no_leaks(engine)
 
