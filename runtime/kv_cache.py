@@ -39,7 +39,15 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero tensor. On a CPU from calloc (numpy's zeros): the OS hands out zero pages as they
     are first touched, so a run pays only for the pages it uses, where torch.zeros writes every
     byte at start-up (the default 2 GiB pool: a one-request `blendserve run` took 3.0-3.4 s,
-    now 1.6-2.0 s, on a 2-core Zen 5)."""
+    now 1.6-2.0 s, on a 2-core Zen 5). numpy asks for transparent huge pages on it (madvise).
+
+    The first write of a page is not free on the project's VMs: a 16 x 512-token prefill step on
+    pages never used took 2.5-2.7 s, on pages used before 2.1-2.2 s (2-core Xeon, 2026-12-05),
+    and a run pays it for every page it fills. Backing the whole pool before the run
+    (MADV_POPULATE_WRITE, 5.3 s for the 2 GiB) made the chat and low_sharing runs 2-8% faster
+    but only moves that cost to start-up; writing pages ahead of use from the scheduling thread
+    (256 pages at a time) left whole runs as they were. The device profile times steps on pages
+    used before, so a run that fills much fresh KV runs a few percent over its prediction."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize

@@ -758,7 +758,14 @@ static void attend_head_amx(const uint16_t *q, int rows, const int *row_end, flo
 
 /* attend_chunk for bf16 (see attend_head_bf16): every head of one sequence, all rows to t_end;
  * q: bf16 [kvh * rows, hd], unscaled. On the AVX-512 tiles on every CPU: a decode's few rows a
- * KV head fill a sixteenth of an AMX tile (AMX measured 1.12-1.13x slower here, 2-core Xeon). */
+ * KV head fill a sixteenth of an AMX tile (AMX measured 1.12-1.13x slower here, 2-core Xeon).
+ * Nor did AMX pay with the scores transposed, Sᵀ = K · Qᵀ (a page's K rows an A tile where they
+ * lie, no transpose; P · V a tile product, its sums kept in tiles across 32-token blocks): on a
+ * 2-core Xeon with AMX, 64 decodes over 300 tokens took 0.94x the time of these tiles with the
+ * context in cache and 1.00x from memory (bench/cpu_decode_attention.py, 2026-12-05), gathering
+ * each row's scores out of Sᵀ for the softmax costing a quarter of it. Reading a tile's heads
+ * in turn (tokens outer) instead of a head's tiles: 1.00x; prefetching every head's lines in
+ * the first head's pass: 1.41x slower from memory; two or four tiles ahead: 1.04x, 1.17x. */
 static void attend_chunk_bf16(const uint16_t *q, float scale, int kvh, int rows,
                               const uint16_t *k_cache, const uint16_t *v_cache,
                               const int32_t *pages, int t_begin, int t_end, int hd, int ps,
