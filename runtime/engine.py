@@ -472,7 +472,8 @@ class Engine:
         # 3. apply: advance computed counts, cache finished prompts, sample, finish choices
         outputs = self._apply(pol, batch, logits, waiting, running)
         self.step_log.append(StepRecord(*shape, seconds=time.perf_counter() - started,
-                                        grammar_seconds=self._grammar_s))
+                                        grammar_seconds=self._grammar_s,
+                                        fresh_kv=self.pool.take_fresh() * self.pool.page_size))
         return outputs
 
     def _schedule(self, pol: AdmissionPolicy, waiting: deque[_Seq],

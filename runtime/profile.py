@@ -13,7 +13,10 @@ prefill step, and absolute error, which predicts a run's total but not its small
 — overlap 0, because this runtime runs attention and GEMMs one after the other on one stream.
 The steps of a representative real run through `Engine.generate` (long prompts at the step cap,
 mixed steps, decode batches) join the fit, so it also covers what the forward alone misses (the
-engine's sampling, scheduling and bookkeeping) and how long chunks really scale. The JSON it writes is what
+engine's sampling, scheduling and bookkeeping) and how long chunks really scale. Apart from the
+fit, `fresh_kv_seconds` times what a KV token's first write on a page never used adds (the
+steps above reuse their pages; a run writes new ones until its pool is full): prediction
+errors on four workloads went from -1.8 … -10.1% to -0.5 … +4.6% (2-core Xeon). The JSON it writes is what
 `HardwareProfile.from_json` reads; profiles are cached under DATA_DIR/profiles/ keyed by model,
 device, dtype, threads and attention path (`cached_profile_path`).
 """
@@ -24,7 +27,7 @@ import itertools
 import json
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,12 +44,13 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 9  # 2: real steps of a representative run in the fit; 3: attention kind;
+PROFILE_VERSION = 10  # 2: real steps of a representative run in the fit; 3: attention kind;
 # 4: what the measurement covered (a small engine's profile no longer serves a full one);
 # 5: the fit weighted by 1/sqrt(seconds), the representative run sized to the device;
 # 6: the device's default step cap (the simulator's, for this profile); 7: large step shapes;
 # 8: CPU engines reuse freed memory (engine.reuse_freed_memory): large steps run faster;
 # 9: the CPU kernel no longer cascades: decodes read (and the steps count) a shared prefix per row
+# 10: s_per_fresh_kv_token, a KV token's first write on a page never used
 FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
 LONG_STEP_S = 0.5  # a step shape whose warm-up took longer is timed once more, not `reps` times
@@ -59,6 +63,11 @@ CALIBRATION_SIZES = ((24, 96), (18, 96), (12, 96), (6, 96), (6, 48), (6, 24))
 # fit says are timed within LARGE_BUDGET_S.
 LARGE_BUDGET_S = 14.0
 LARGE_SIZES = (1.0, 0.5, 0.25, 0.125)
+# The first write of a KV page (fresh_kv_seconds): prompts of this many tokens, as many as take
+# about FRESH_STEP_S, at most FRESH_PROMPTS (a 2-core Xeon: 8, ~1 s a step).
+FRESH_PROMPT = 512
+FRESH_PROMPTS = 8
+FRESH_STEP_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +158,18 @@ def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int =
     engine's pool and handed back."""
     ps = engine.pool.page_size
     pages = engine.pool.alloc(sum(-(-k // ps) for k in kv_lens))
+    try:
+        times = _forward_times(engine, q_lens, kv_lens, pages,
+                               lambda t: len(t) >= 1 + (reps if t[0] <= long_s else 1))
+    finally:
+        engine.pool.free(pages)
+    return float(np.mean(times[1:]))
+
+
+def _forward_times(engine: Engine, q_lens: list[int], kv_lens: list[int], pages: list[int],
+                   done: Callable[[list[float]], bool]) -> list[float]:
+    """Seconds of each forward + greedy sampling of one step shape on `pages`, until `done`."""
+    ps = engine.pool.page_size
     it = iter(pages)
     tables = [[next(it) for _ in range(-(-k // ps))] for k in kv_lens]
     dev = engine.model.device
@@ -158,17 +179,35 @@ def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int =
     rows = (torch.cumsum(torch.tensor(q_lens), 0) - 1).to(dev)
     batch = AttentionBatch(q_lens, kv_lens, tables, sum(1 for q in q_lens if q == 1))
     times: list[float] = []
+    with torch.inference_mode():
+        while not times or not done(times):
+            start = time.perf_counter()
+            plan = engine.attn.plan(batch)
+            logits = engine.model.forward(ids, pos, engine.attn, plan, rows)
+            greedy_tokens(logits)  # sampling brings token ids back to the host
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def fresh_kv_seconds(engine: Engine, s_per_token: float) -> float:
+    """What a KV token's first write on a page never used adds to a step (the OS backs the
+    page then; kv_cache._zeros): prefill steps of prompts of FRESH_PROMPT tokens (as many as
+    take about FRESH_STEP_S, at most FRESH_PROMPTS) on never-taken pages, then twice on the
+    same pages; the difference per KV token, 0 at least. 0 on a GPU (its pool is allocated up
+    front) and where the pool has too few fresh pages left."""
+    if engine.model.device.type != "cpu":
+        return 0.0
+    n = int(min(max(FRESH_STEP_S / (FRESH_PROMPT * s_per_token), 1), FRESH_PROMPTS))
+    q = [min(FRESH_PROMPT, engine.max_model_len)] * n
+    ps = engine.pool.page_size
+    pages = engine.pool.alloc_fresh(sum(-(-k // ps) for k in q))
+    if pages is None:
+        return 0.0
     try:
-        with torch.inference_mode():
-            while len(times) < 1 + (reps if not times or times[0] <= long_s else 1):
-                start = time.perf_counter()
-                plan = engine.attn.plan(batch)
-                logits = engine.model.forward(ids, pos, engine.attn, plan, rows)
-                greedy_tokens(logits)  # sampling brings token ids back to the host
-                times.append(time.perf_counter() - start)
+        t = _forward_times(engine, q, q, pages, lambda t: len(t) >= 3)
     finally:
         engine.pool.free(pages)
-    return float(np.mean(times[1:]))
+    return max(t[0] - (t[1] + t[2]) / 2.0, 0.0) / sum(q)
 
 
 def fit(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
@@ -281,7 +320,9 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         calibration = calibration_requests(engine.vocab_size, engine.max_model_len, n, longest)
         list(engine.generate(calibration, policy="fcfs"))
         steps = [Sample.from_record(r) for r in engine.step_log]
-    coef, fit_error = fit(shapes + steps)
+        coef, fit_error = fit(shapes + steps)
+        coef["s_per_fresh_kv_token"] = fresh_kv_seconds(engine, coef["s_per_token"])
+        engine.pool.take_fresh()  # the next run's steps count their own
     run_error = float(np.mean([abs(predict(coef, s) - s.seconds) / s.seconds for s in steps]))
     run_total = sum(predict(coef, s) for s in steps) / sum(s.seconds for s in steps) - 1.0
     cfg = engine.model.config

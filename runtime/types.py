@@ -103,3 +103,4 @@ class StepRecord:
     decodes: int  # decoding sequences
     seconds: float  # wall time of the step (schedule + model + sampling + bookkeeping)
     grammar_seconds: float = 0.0  # of which: building, applying and advancing grammar masks
+    fresh_kv: int = 0  # KV slots on pages never used before that the step took (first writes)

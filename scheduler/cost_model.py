@@ -92,10 +92,13 @@ class StepCoefficients:
     s_per_row: float  # every sampled row: the LM head over the vocabulary, and sampling
     s_per_pair: float  # prefill attention, per (query, key) pair
     s_per_kv_token: float  # decode attention, per cached token read
+    # a KV slot's first write on a page the process never used (the OS backs it then): on a
+    # CPU, per KV token written to a fresh page; 0 where memory is allocated up front (GPUs)
+    s_per_fresh_kv_token: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.step_fixed_s, self.s_per_token, self.s_per_row, self.s_per_pair,
-               self.s_per_kv_token) < 0 or self.s_per_token <= 0 or self.s_per_kv_token <= 0:
+               self.s_per_kv_token, self.s_per_fresh_kv_token) < 0 or self.s_per_token <= 0 or self.s_per_kv_token <= 0:
             raise ProfileError("step coefficients must be >= 0 (per-token and per-KV-token > 0)")
 
 
@@ -159,6 +162,7 @@ class HardwareProfile:
             s_per_row=float(step.get("s_per_row", 0.0)),
             s_per_pair=float(step.get("s_per_pair", 0.0)),
             s_per_kv_token=float(step["s_per_kv_token"]),
+            s_per_fresh_kv_token=float(step.get("s_per_fresh_kv_token", 0.0)),
         )
         flops = float(data["flops"])
         cap, mem = data.get("kv_capacity_bytes"), data.get("memory_bytes")
@@ -250,6 +254,12 @@ class CostModel:
         return m.s_per_kv_token if m is not None else self.kv_bytes_per_token / self.hardware.bandwidth
 
     @property
+    def seconds_per_fresh_kv_token(self) -> float:
+        """A KV token's first write on a page the process never used (measured; 0 otherwise)."""
+        m = self.hardware.measured
+        return m.s_per_fresh_kv_token if m is not None else 0.0
+
+    @property
     def weights_read_s(self) -> float:
         """Reading every weight once, which each step does: memory traffic like a KV read, so
         it overlaps with compute as far as the device overlaps (0 when measured: it is in the
@@ -323,9 +333,13 @@ class CostModel:
         """ρ(R) = (1 − s)·ΣComp / ΣMem for a set with prefix-sharing ratio s."""
         return (1.0 - sharing) * total_comp / total_mem if total_mem > 0 else float("inf")
 
-    def step_compute_time(self, tokens: float, rows: float = 0.0, pairs: float = 0.0) -> float:
+    def step_compute_time(self, tokens: float, rows: float = 0.0, pairs: float = 0.0,
+                          fresh_kv: float = 0.0) -> float:
+        """The step's compute; `fresh_kv`: KV tokens it writes on pages never used (host work
+        of the OS, on the compute side)."""
         return (float(tokens) * self.seconds_per_token + float(rows) * self.seconds_per_row
-                + float(pairs) * self.seconds_per_pair)
+                + float(pairs) * self.seconds_per_pair
+                + float(fresh_kv) * self.seconds_per_fresh_kv_token)
 
     def step_memory_time(self, kv_tokens_read: float) -> float:
         """Memory traffic of one step: its KV reads plus one read of the weights."""

@@ -42,7 +42,7 @@ def build_report(
     log = engine.step_log
     pol = engine.last_policy
     seconds = np.array([r.seconds for r in log], dtype=np.float64)
-    comp = np.array([cost.step_compute_time(r.tokens, r.rows, r.pairs) for r in log])
+    comp = np.array([cost.step_compute_time(r.tokens, r.rows, r.pairs, r.fresh_kv) for r in log])
     mem = np.array([cost.step_memory_time(r.kv_read) for r in log])
     model = cost.step_overhead_s + np.asarray(cost.combine(comp, mem), dtype=np.float64) \
         if len(log) else np.zeros(0)
@@ -107,7 +107,10 @@ def _simulate(engine: Engine, policy: str,
     cap, step = engine.kv_capacity_tokens, engine.config.max_batch_tokens
     pol = make_policy(policy, [e.request for e in entries], kv_capacity_tokens=cap,
                       cost_model=engine.cost_model, step_tokens=step)
-    return simulate(entries, pol, engine.cost_model, SimConfig(cap, step)).makespan_s
+    pool = engine.pool  # the KV slots this run found never written, as the engine counted them
+    fresh = ((pool.num_pages - pool.pages_ever_taken) * pool.page_size
+             + sum(r.fresh_kv for r in engine.step_log))
+    return simulate(entries, pol, engine.cost_model, SimConfig(cap, step, fresh)).makespan_s
 
 
 def write_report(report: dict[str, Any], path: Path, engine: Engine | None = None) -> Path:
@@ -131,7 +134,7 @@ def plot_steps(engine: Engine, path: Path, *, title: str, bins: int = 1500) -> N
     import matplotlib.pyplot as plt
 
     cost, log = engine.cost_model, engine.step_log
-    comp = np.array([cost.step_compute_time(r.tokens, r.rows, r.pairs) for r in log])
+    comp = np.array([cost.step_compute_time(r.tokens, r.rows, r.pairs, r.fresh_kv) for r in log])
     mem = np.array([cost.step_memory_time(r.kv_read) for r in log])
     measured = np.array([r.seconds for r in log])
     step = np.arange(len(log))

@@ -46,6 +46,9 @@ class SimulationError(SchedulerError, RuntimeError):
 class SimConfig:
     kv_capacity_tokens: int  # KV slots of the simulated device
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS  # decode + prefill tokens per step, at most
+    # KV slots the process has never written (their first write costs more on a CPU); None: all
+    # of them, as in a fresh `blendserve run`
+    fresh_kv_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,8 @@ class _Run:
         self.preemptions = 0  # decoding requests evicted (recomputed later)
         self.prefill_aborts = 0  # partial prefills torn down to make room for decode
         self.peak = 0
+        self.written = 0  # KV tokens written so far (recomputed ones again)
+        self.fresh = self.cap if config.fresh_kv_tokens is None else config.fresh_kv_tokens
         self.comp: list[float] = []
         self.mem: list[float] = []
         self.trace_rows: list[tuple[int, int, int, int]] = []  # prefill, decoding, queued, used
@@ -279,7 +284,11 @@ class _Run:
     # ------------------------------------------------------------------ steps
     def record(self, tokens: int, rows: int, pairs: int, kv_read: float, prefill: int,
                decoding: int, used: int) -> None:
-        self.comp.append(self.cost.step_compute_time(tokens, rows, pairs))
+        # The engine keeps a finished request's KV in its cache: until the pool is full every
+        # token written lands on a page it never used (the first write costs more on a CPU)
+        fresh = min(self.written + tokens, self.fresh) - min(self.written, self.fresh)
+        self.written += tokens
+        self.comp.append(self.cost.step_compute_time(tokens, rows, pairs, fresh))
         self.mem.append(self.cost.step_memory_time(kv_read))
         self.trace_rows.append((prefill, decoding, len(self.queue), used))
 

@@ -422,3 +422,17 @@ def test_a_prefix_a_waiting_request_needs_outlives_newer_unneeded_leaves() -> No
     assert engine.stats.preemptions == 0
     assert out["r4"].cached_tokens == 40
     assert_no_leaks(engine)
+
+
+def test_steps_count_the_kv_they_write_on_pages_never_used() -> None:
+    engine = make_engine(pages=256)
+    reqs = greedy(prompts(6, prefix=9, seed=4), max_tokens=10)
+    run(engine, reqs)
+    first = [r.fresh_kv for r in engine.step_log]
+    ps = engine.pool.page_size
+    # every page the run took was new: the steps count them all (those it freed again too)
+    held = engine.pool.num_pages - engine.pool.num_free
+    assert sum(first) == ps * engine.pool.pages_ever_taken >= ps * held > 0 and first[0] > 0
+    engine.cache.evict(engine.cache.total_pages)  # the same run again takes pages used before
+    run(engine, reqs)
+    assert sum(r.fresh_kv for r in engine.step_log) == 0

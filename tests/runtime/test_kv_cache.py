@@ -77,3 +77,17 @@ def test_a_cpu_pool_is_zero_aligned_and_takes_memory_only_where_it_is_written() 
     data = pool.data
     del pool
     assert data[7, 0, 4095].float().sum().item() == 16 * 4 * 64  # the tensor owns the memory
+
+
+def test_pages_never_taken_before_count_as_fresh_once() -> None:
+    pool = make_pool(8)
+    a = pool.alloc(3)
+    assert pool.take_fresh() == 3 and pool.take_fresh() == 0
+    pool.free(a)
+    b = pool.alloc(4)  # the three freed ones come back first, then one never taken
+    assert sorted(b) == [0, 1, 2, 3] and pool.take_fresh() == 1
+    fresh = pool.alloc_fresh(2)  # past the pages handed out so far, in order
+    assert sorted(fresh) == [4, 5] and pool.take_fresh() == 2
+    assert pool.alloc_fresh(3) is None and pool.num_free == 2  # only 6 and 7 never taken
+    pool.free(b + fresh)
+    assert sorted(pool.alloc(8)) == list(range(8)) and pool.take_fresh() == 2

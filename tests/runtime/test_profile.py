@@ -20,6 +20,7 @@ from runtime.profile import (
     cost_model_from_profile,
     covers,
     fit,
+    fresh_kv_seconds,
     large_size,
     large_step_shapes,
     linear_kind,
@@ -124,6 +125,7 @@ def test_a_measured_profile_loads_into_the_cost_model(tmp_path: Path) -> None:
     profile = measure(engine, reps=1)
     assert profile["overlap"] == 0.0 and profile["device"] == "cpu"
     assert profile["step_model"]["s_per_token"] > 0 and profile["step_model"]["s_per_kv_token"] > 0
+    assert profile["step_model"]["s_per_fresh_kv_token"] >= 0.0
     assert profile["fit"]["calibration_steps"] > 5
     if Path("/proc/stat").exists():  # what others took of the CPUs while it was measured
         assert 0.0 <= profile["fit"]["other_load"] <= 1.0 and 0.0 <= profile["fit"]["steal"] <= 1.0
@@ -131,6 +133,7 @@ def test_a_measured_profile_loads_into_the_cost_model(tmp_path: Path) -> None:
     hw = HardwareProfile.from_json(path)
     assert hw.measured is not None and hw.overlap == 0.0 and hw.batch_multiple == 1
     cost = cost_model_from_profile(profile)
+    assert cost.seconds_per_fresh_kv_token == profile["step_model"]["s_per_fresh_kv_token"]
     assert cost.shape.layers == engine.model.config.num_layers
     assert cost.step_fixed_s == pytest.approx(profile["step_model"]["step_fixed_s"])
     assert cost.kv_capacity_tokens == engine.kv_capacity_tokens
@@ -197,3 +200,13 @@ def test_the_step_cap_bench_times_every_cap_once_per_round() -> None:
     assert sorted(seconds) == [64, 256]
     assert all(len(s) == 2 and min(s) > 0 for s in seconds.values())
     assert engine.pool.num_free == engine.pool.num_pages  # the borrowed pages came back
+
+
+def test_the_first_write_of_a_kv_page_is_timed_on_pages_never_taken() -> None:
+    engine = make_engine(pages=4096, max_batch_tokens=512)
+    pool = engine.pool
+    assert fresh_kv_seconds(engine, 1e-3) >= 0.0
+    taken = pool.take_fresh()
+    assert taken > 0 and pool.num_free == pool.num_pages  # its pages went back
+    rest = pool.alloc_fresh(pool.num_pages - taken)  # none left: nothing to time it on
+    assert rest is not None and fresh_kv_seconds(engine, 1e-3) == 0.0

@@ -66,6 +66,14 @@ def test_a_measured_step_model_replaces_the_datasheet_coefficients(tmp_path):
     assert cm.step_time(100, 0, rows=1, pairs=5050) == pytest.approx(
         0.05 + 0.2 + 0.001 + 5050 * 5e-7)
     assert cm.step_time(1, 500, rows=1) == pytest.approx(0.05 + 0.002 + 0.001 + 500 * 1e-5)
+    assert cm.seconds_per_fresh_kv_token == 0.0  # a profile from before it was measured
+    path.write_text(json.dumps({"name": "measured:m@cpu", "flops": 1e11,
+                                "bandwidth_bytes_per_s": 4e9, "model_config": cfg,
+                                "step_model": {**step, "s_per_fresh_kv_token": 4e-5}}))
+    cm = CostModel(ModelShape.from_hf_config(cfg), HardwareProfile.from_json(path))
+    # 100 KV tokens written on pages never used cost their first write too
+    assert cm.step_compute_time(100, 1, 5050, fresh_kv=100) == pytest.approx(
+        0.2 + 0.001 + 5050 * 5e-7 + 100 * 4e-5)
 
 
 def test_a_profile_file_without_bandwidth_is_rejected(tmp_path):

@@ -485,3 +485,34 @@ def test_a_prompt_waits_until_it_fits_beside_the_decodes_instead_of_being_torn_d
     result = simulate(trace, policy, COST, SimConfig(96, 64))
     assert result.preemptions == 0 and result.prefill_aborts == 0
     assert result.prefill_tokens == 100
+
+
+def test_until_the_kv_pool_is_full_every_token_written_pays_a_first_write() -> None:
+    from scheduler.cost_model import StepCoefficients
+
+    step = StepCoefficients(step_fixed_s=0.01, s_per_token=1e-4, s_per_row=1e-5, s_per_pair=1e-8,
+                            s_per_kv_token=1e-6)
+    warm = CostModel(COST.shape, replace(COST.hardware, overlap=0.0, measured=step))
+    fresh = CostModel(COST.shape, replace(warm.hardware, measured=replace(
+        step, s_per_fresh_kv_token=5e-5)))
+    trace, cap = random_trace(120, seed=5), 3000
+
+    def run(cost: CostModel):
+        policy = make_policy("fcfs", [e.request for e in trace], kv_capacity_tokens=cap)
+        return simulate(trace, policy, cost, SimConfig(cap))
+
+    a, b = run(warm), run(fresh)
+    assert a.steps == b.steps and a.preemptions == b.preemptions > 0
+    # the KV a run writes is many times the pool: once it is full, pages are used again
+    assert a.prefill_tokens + a.output_tokens > 3 * cap
+    assert b.makespan_s - a.makespan_s == pytest.approx(cap * 5e-5, rel=1e-9)
+    policy = make_policy("fcfs", [e.request for e in trace], kv_capacity_tokens=cap)
+    used_before = simulate(trace, policy, fresh, SimConfig(cap, fresh_kv_tokens=0))  # a worker's
+    assert used_before.makespan_s == pytest.approx(a.makespan_s, rel=1e-12)  # later batch
+    small = trace[:3]  # a run that never fills the pool pays for every token it writes
+    policy = make_policy("fcfs", [e.request for e in small], kv_capacity_tokens=10**6)
+    c = simulate(small, policy, fresh, SimConfig(10**6))
+    policy = make_policy("fcfs", [e.request for e in small], kv_capacity_tokens=10**6)
+    d = simulate(small, policy, warm, SimConfig(10**6))
+    written = c.prefill_tokens + c.output_tokens - len(small)  # the prefill samples the first
+    assert c.makespan_s - d.makespan_s == pytest.approx(written * 5e-5, rel=1e-9)
