@@ -15,8 +15,10 @@ The steps of a representative real run through `Engine.generate` (long prompts a
 mixed steps, decode batches) join the fit, so it also covers what the forward alone misses (the
 engine's sampling, scheduling and bookkeeping) and how long chunks really scale. Apart from the
 fit, `fresh_kv_seconds` times what a KV token's first write on a page never used adds (the
-steps above reuse their pages; a run writes new ones until its pool is full): prediction
-errors on four workloads went from -1.8 … -10.1% to -0.5 … +4.6% (2-core Xeon). The JSON it writes is what
+steps above reuse their pages; a run writes new ones until its pool is full): on a 2-core
+Xeon the simulator's predictions of bench/cpu_policies.py's 21 runs went from -1.8 … -10.8%
+to -1.0 … +7.0%, and of a batch of 96 long prompts with short outputs from -10.1% to -0.5 …
+-7.3%. The JSON it writes is what
 `HardwareProfile.from_json` reads; profiles are cached under DATA_DIR/profiles/ keyed by model,
 device, dtype, threads and attention path (`cached_profile_path`).
 """

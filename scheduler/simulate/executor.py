@@ -4,8 +4,11 @@ It steps the way the engine (runtime/engine.py) does. A request's prompt is pref
 (minus what the prefix cache serves), and the step that completes it samples the first output
 token; each later step decodes one more token, reading the request's whole context
 (p + tokens generated so far) from the KV cache. A step costs W + combine(compute, memory)
-(CostModel.step_time): compute counts the step's tokens, its sampled rows and its prefill
-attention pairs; memory counts the KV the decodes read and one read of the weights. A step holds at most `max_step_tokens`
+(CostModel.step_time): compute counts the step's tokens, its sampled rows, its prefill
+attention pairs and, on a measured CPU profile, the first write of the KV it puts on pages the
+process never used (every token written until the pool is full, as the engine caches finished
+requests' KV; `SimConfig.fresh_kv_tokens`); memory counts the KV the decodes read and one read
+of the weights. A step holds at most `max_step_tokens`
 tokens, decodes first (they always run), as the engine's `max_batch_tokens`.
 
 KV memory holds the cached prompt segments (shared ones once, see PrefixCache), each running
