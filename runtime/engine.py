@@ -459,7 +459,7 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self, pol: AdmissionPolicy, waiting: deque[_Seq], running: list[_Seq]) -> list[RequestOutput]:
-        started = time.perf_counter()
+        started, taken = time.perf_counter(), self.pool.pages_ever_taken
         # 1. schedule: decodes first, then prefill chunks within the token and page budgets
         batch = self._schedule(pol, waiting, running)
         if not batch:
@@ -473,7 +473,7 @@ class Engine:
         outputs = self._apply(pol, batch, logits, waiting, running)
         self.step_log.append(StepRecord(*shape, seconds=time.perf_counter() - started,
                                         grammar_seconds=self._grammar_s,
-                                        fresh_kv=self.pool.take_fresh() * self.pool.page_size))
+                                        fresh_kv=(self.pool.pages_ever_taken - taken) * self.pool.page_size))
         return outputs
 
     def _schedule(self, pol: AdmissionPolicy, waiting: deque[_Seq],

@@ -47,7 +47,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     (MADV_POPULATE_WRITE, 5.3 s for the 2 GiB) made the chat and low_sharing runs 2-8% faster
     but only moves that cost to start-up; writing pages ahead of use from the scheduling thread
     (256 pages at a time) left whole runs as they were. So the cost is modelled instead: the
-    pool counts the pages it hands out for the first time (`take_fresh`, each step's
+    pool counts the pages it hands out for the first time (`pages_ever_taken`, each step's
     `fresh_kv`), the profile times a first write (profile.fresh_kv_seconds) and the simulator
     charges it for every KV token written until the pool is full."""
     if device.type != "cpu":
@@ -89,7 +89,6 @@ class PagedKVPool:
         # Pop from the end: low page ids go out first (nicer to read in tests).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._untouched = 0  # pages from here on have never been taken
-        self.fresh_pages = 0  # never-taken pages taken since take_fresh last ran
 
     @staticmethod
     def bytes_per_page(
@@ -114,7 +113,7 @@ class PagedKVPool:
             return []
         out = self._free[-n:]
         del self._free[-n:]
-        self._count_fresh(out)
+        self._untouched = max(self._untouched, max(out) + 1)
         return out
 
     def alloc_fresh(self, n: int) -> list[int] | None:
@@ -125,26 +124,15 @@ class PagedKVPool:
             return None
         out = self._free[left - n:left]
         del self._free[left - n:left]
-        self._count_fresh(out)
+        self._untouched += n
         return out
-
-    def _count_fresh(self, pages: list[int]) -> None:
-        """Pages go out in ascending order until freed ones come back: those at or past the
-        first never taken are fresh (their first write costs more, see _zeros)."""
-        top = max(pages) + 1
-        if top > self._untouched:
-            self.fresh_pages += sum(1 for p in pages if p >= self._untouched)
-            self._untouched = top
 
     @property
     def pages_ever_taken(self) -> int:
-        """Pages handed out at least once (ids 0 .. this - 1)."""
+        """Pages handed out at least once: ids 0 .. this - 1, since pages go out in ascending
+        order until freed ones come back (so it grows by the fresh pages an alloc takes, whose
+        first write costs more, see _zeros)."""
         return self._untouched
-
-    def take_fresh(self) -> int:
-        """Fresh pages taken since the last call (an engine step's, for the step model)."""
-        n, self.fresh_pages = self.fresh_pages, 0
-        return n
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(pages)

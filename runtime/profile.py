@@ -330,7 +330,6 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         steps = [Sample.from_record(r) for r in engine.step_log]
         coef, fit_error = fit(shapes + steps)
         coef["s_per_fresh_kv_token"] = fresh_kv_seconds(engine, coef["s_per_token"])
-        engine.pool.take_fresh()  # the next run's steps count their own
     run_error = float(np.mean([abs(predict(coef, s) - s.seconds) / s.seconds for s in steps]))
     run_total = sum(predict(coef, s) for s in steps) / sum(s.seconds for s in steps) - 1.0
     cfg = engine.model.config

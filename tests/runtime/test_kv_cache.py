@@ -82,12 +82,12 @@ def test_a_cpu_pool_is_zero_aligned_and_takes_memory_only_where_it_is_written() 
 def test_pages_never_taken_before_count_as_fresh_once() -> None:
     pool = make_pool(8)
     a = pool.alloc(3)
-    assert pool.take_fresh() == 3 and pool.take_fresh() == 0
+    assert pool.pages_ever_taken == 3
     pool.free(a)
     b = pool.alloc(4)  # the three freed ones come back first, then one never taken
-    assert sorted(b) == [0, 1, 2, 3] and pool.take_fresh() == 1
+    assert sorted(b) == [0, 1, 2, 3] and pool.pages_ever_taken == 4
     fresh = pool.alloc_fresh(2)  # past the pages handed out so far, in order
-    assert sorted(fresh) == [4, 5] and pool.take_fresh() == 2
+    assert sorted(fresh) == [4, 5] and pool.pages_ever_taken == 6
     assert pool.alloc_fresh(3) is None and pool.num_free == 2  # only 6 and 7 never taken
     pool.free(b + fresh)
-    assert sorted(pool.alloc(8)) == list(range(8)) and pool.take_fresh() == 2
+    assert sorted(pool.alloc(8)) == list(range(8)) and pool.pages_ever_taken == 8
