@@ -20,6 +20,7 @@ from scheduler.types import PlanRequest
 DEFAULT_PRIOR = 256  # tokens, when nothing has been sampled
 DEFAULT_CAP = 4096  # most warm-up samples
 DEFAULT_MIN_LARGE = 64  # a subtree with this many unknown-length requests gets a sample
+DEFAULT_MIN_FAMILY = 16  # ... and a top-level one with this many (see select_warmup_samples)
 _NEAREST_BY_LENGTH = 8  # sibling fallback: mean over the samples nearest in prompt length
 # The largest overrun among ~200 samples is an outlier's: it reached the old cap of 4 on the
 # synthetic traces looked at, and the critical path and the overrun-allowing KV peaks sized by
@@ -35,6 +36,7 @@ def select_warmup_samples(
     seed: int = 0,
     cap: int = DEFAULT_CAP,
     min_large: int = DEFAULT_MIN_LARGE,
+    min_family: int = DEFAULT_MIN_FAMILY,
 ) -> np.ndarray:
     """Request indices to run first; `known[i]` True means request i's length is known (no sample)."""
     unknown = ~np.asarray(known, dtype=bool)
@@ -51,7 +53,9 @@ def select_warmup_samples(
     # deep subtree also covers its ancestors.
     n_unknown = tree.leaf_prefix_sum(unknown.astype(np.float64))
     n_chosen = tree.leaf_prefix_sum(chosen.astype(np.float64))
-    missing = np.flatnonzero((n_unknown >= min_large) & (n_chosen == 0))
+    top = tree.parent == 0
+    missing = np.flatnonzero((np.where(top, n_unknown >= min_family, n_unknown >= min_large))
+                             & (n_chosen == 0))
     room = cap - int(chosen.sum())
     for node in missing[np.argsort(-tree.depth[missing], kind="stable")]:
         if room <= 0:
@@ -315,3 +319,4 @@ def length_dispersion(
     scale = lens.sum() / loo.sum()
     phi = float((lens**2).sum() / ((loo * scale) ** 2).sum())
     return min(cap, max(1.0, phi))
+

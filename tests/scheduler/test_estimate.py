@@ -36,6 +36,25 @@ def test_every_large_subtree_gets_a_sample():
     assert picked & set(range(100)) and picked & set(range(100, 200))
 
 
+def test_a_top_level_family_the_stride_missed_gets_a_sample():
+    # 1,000 requests under one prefix and a family of 20 under another: the 1% stride (every
+    # 100th leaf) can miss the family, whose requests would then be estimated from unrelated
+    # prompts of similar length. A top-level subtree needs only min_family requests.
+    prompts = [[1, 1, i // 10, i] for i in range(1000)] + [[2, 2, i] for i in range(20)]
+    tree = PrefixTree.build(prompts)
+    unknown = np.zeros(len(prompts), bool)
+    family = set(range(1000, 1020))
+    stride = set(select_warmup_samples(tree, unknown, min_family=64).tolist())
+    assert not stride & family
+    picked = set(select_warmup_samples(tree, unknown).tolist())
+    assert len(picked & family) == 1 and picked - family == stride
+    # a subtree of 20 below the top level is covered by its family's samples: none added
+    nested = PrefixTree.build([[1, 1, i // 10, i] for i in range(1000)] + [[1, 2, i] for i in range(20)])
+    nested_picked = select_warmup_samples(nested, unknown).tolist()
+    assert not set(nested_picked) & family
+    assert nested_picked == select_warmup_samples(nested, unknown, min_family=64).tolist()
+
+
 def test_samples_are_capped():
     assert len(select_warmup_samples(TREE, np.zeros(N, bool), rate=0.5, cap=7, min_large=10)) <= 7
 
