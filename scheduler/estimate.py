@@ -54,12 +54,12 @@ def select_warmup_samples(
     chosen = np.zeros(tree.num_requests, dtype=bool)
     chosen[picked] = True
     # Large subtrees the stride missed get one sample each, deepest first: a sample inside a
-    # deep subtree also covers its ancestors.
+    # deep subtree also covers its ancestors. A top-level subtree needs fewer requests (module
+    # docstring): below the root, an unsampled one takes its family's mean.
     n_unknown = tree.leaf_prefix_sum(unknown.astype(np.float64))
     n_chosen = tree.leaf_prefix_sum(chosen.astype(np.float64))
-    top = tree.parent == 0
-    missing = np.flatnonzero((np.where(top, n_unknown >= min_family, n_unknown >= min_large))
-                             & (n_chosen == 0))
+    need = np.where(tree.parent == 0, min(min_family, min_large), min_large)
+    missing = np.flatnonzero((n_unknown >= need) & (n_chosen == 0))
     room = cap - int(chosen.sum())
     for node in missing[np.argsort(-tree.depth[missing], kind="stable")]:
         if room <= 0:
@@ -323,4 +323,3 @@ def length_dispersion(
     scale = lens.sum() / loo.sum()
     phi = float((lens**2).sum() / ((loo * scale) ** 2).sum())
     return min(cap, max(1.0, phi))
-
