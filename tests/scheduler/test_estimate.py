@@ -42,17 +42,17 @@ def test_a_top_level_family_the_stride_missed_gets_a_sample():
     # prompts of similar length. A top-level subtree needs only min_family requests.
     prompts = [[1, 1, i // 10, i] for i in range(1000)] + [[2, 2, i] for i in range(20)]
     tree = PrefixTree.build(prompts)
-    unknown = np.zeros(len(prompts), bool)
+    known = np.zeros(len(prompts), bool)  # every length unknown
     family = set(range(1000, 1020))
-    stride = set(select_warmup_samples(tree, unknown, min_family=64).tolist())
+    stride = set(select_warmup_samples(tree, known, min_family=64).tolist())
     assert not stride & family
-    picked = set(select_warmup_samples(tree, unknown).tolist())
+    picked = set(select_warmup_samples(tree, known).tolist())
     assert len(picked & family) == 1 and picked - family == stride
     # a subtree of 20 below the top level is covered by its family's samples: none added
-    nested = PrefixTree.build([[1, 1, i // 10, i] for i in range(1000)] + [[1, 2, i] for i in range(20)])
-    nested_picked = select_warmup_samples(nested, unknown).tolist()
+    nested = PrefixTree.build(prompts[:1000] + [[1, 2, i] for i in range(20)])
+    nested_picked = select_warmup_samples(nested, known).tolist()
     assert not set(nested_picked) & family
-    assert nested_picked == select_warmup_samples(nested, unknown, min_family=64).tolist()
+    assert nested_picked == select_warmup_samples(nested, known, min_family=64).tolist()
 
 
 def test_samples_are_capped():
