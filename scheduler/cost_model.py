@@ -97,8 +97,8 @@ class StepCoefficients:
     s_per_fresh_kv_token: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.step_fixed_s, self.s_per_token, self.s_per_row, self.s_per_pair,
-               self.s_per_kv_token, self.s_per_fresh_kv_token) < 0 or self.s_per_token <= 0 or self.s_per_kv_token <= 0:
+        if (min(self.step_fixed_s, self.s_per_row, self.s_per_pair, self.s_per_fresh_kv_token) < 0
+                or self.s_per_token <= 0 or self.s_per_kv_token <= 0):
             raise ProfileError("step coefficients must be >= 0 (per-token and per-KV-token > 0)")
 
 

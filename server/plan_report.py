@@ -19,7 +19,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
-    from runtime.types import EngineRequest, RequestOutput
+    from runtime.types import EngineRequest, RequestOutput, StepRecord
+    from scheduler.cost_model import CostModel
 
 REPORT_VERSION = 1
 
@@ -27,6 +28,13 @@ REPORT_VERSION = 1
 def report_path(data_dir: Path, batch_id: str) -> Path:
     """DATA_DIR/reports/<batch id>.json (the PNG beside it)."""
     return data_dir / "reports" / f"{batch_id}.json"
+
+
+def step_split(cost: CostModel, log: Sequence[StepRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """([steps] compute, [steps] memory) seconds the step model gives each logged step."""
+    comp = np.array([cost.step_compute_time(r.tokens, r.rows, r.pairs, r.fresh_kv) for r in log])
+    mem = np.array([cost.step_memory_time(r.kv_read) for r in log])
+    return comp, mem
 
 
 def build_report(
@@ -42,8 +50,7 @@ def build_report(
     log = engine.step_log
     pol = engine.last_policy
     seconds = np.array([r.seconds for r in log], dtype=np.float64)
-    comp = np.array([cost.step_compute_time(r.tokens, r.rows, r.pairs, r.fresh_kv) for r in log])
-    mem = np.array([cost.step_memory_time(r.kv_read) for r in log])
+    comp, mem = step_split(cost, log)
     model = cost.step_overhead_s + np.asarray(cost.combine(comp, mem), dtype=np.float64) \
         if len(log) else np.zeros(0)
     ok = [(q, o) for q, o in finished if o.error is None]
@@ -133,9 +140,8 @@ def plot_steps(engine: Engine, path: Path, *, title: str, bins: int = 1500) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cost, log = engine.cost_model, engine.step_log
-    comp = np.array([cost.step_compute_time(r.tokens, r.rows, r.pairs, r.fresh_kv) for r in log])
-    mem = np.array([cost.step_memory_time(r.kv_read) for r in log])
+    log = engine.step_log
+    comp, mem = step_split(engine.cost_model, log)
     measured = np.array([r.seconds for r in log])
     step = np.arange(len(log))
     if len(log) > bins:  # average runs of steps so the lines stay readable
