@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from scheduler.cost_model import CostModel
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -120,3 +122,14 @@ class LoadedModel:
     # HF Llama parameter names -> tensors; None for dummy:<shape> (the engine initialises at random)
     weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     path: str | None = None  # the HF folder the weights came from, when there is one
+
+
+def unmeasured_cost_model(config: ModelConfig, dtype: torch.dtype) -> CostModel:
+    """The served model's shape on a nominal device with no overlap: good for ratios (ρ, KV
+    need) and the planner's no-overlap mode, not for predicting seconds."""
+    from scheduler.cost_model import CostModel, HardwareProfile, ModelShape
+
+    shape = ModelShape.from_hf_config(config.to_hf(str(dtype).removeprefix("torch.")),
+                                      name="served")
+    return CostModel(shape, HardwareProfile("unmeasured", flops=1e11, bandwidth=2e10,
+                                            batch_multiple=1, overlap=0.0))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from runtime.attention import AttentionBatch, make_backend, resolve_backend
-from runtime.config import LoadedModel, ModelConfig
+from runtime.config import LoadedModel, unmeasured_cost_model
 from runtime.errors import EngineFatalError
 from runtime.grammar import Grammars
 from runtime.kv_cache import PagedKVPool, default_kv_memory_bytes
@@ -464,15 +464,15 @@ class Engine:
         batch = self._schedule(pol, waiting, running)
         if not batch:
             return []
-        shape = _step_shape(batch)
+        shape = _step_shape(batch, self.pool.page_size)
         # 2. run the model on the flat batch
         logits, kv_read = self._run(batch)
-        if kv_read is not None:  # the backend read shared prefixes once (cascade)
-            shape = (*shape[:3], kv_read, shape[4])
+        if kv_read is not None and kv_read < shape[3]:  # it read shared prefixes once (cascade)
+            shape = (*shape[:3], kv_read, shape[4], 0)
         # 3. apply: advance computed counts, cache finished prompts, sample, finish choices
         outputs = self._apply(pol, batch, logits, waiting, running)
-        self.step_log.append(StepRecord(*shape, seconds=time.perf_counter() - started,
-                                        grammar_seconds=self._grammar_s,
+        self.step_log.append(StepRecord(*shape[:5], seconds=time.perf_counter() - started,
+                                        grammar_seconds=self._grammar_s, kv_shared=shape[5],
                                         fresh_kv=(self.pool.pages_ever_taken - taken) * self.pool.page_size))
         return outputs
 
@@ -744,17 +744,6 @@ class Engine:
                              tuple(c for c in g.choices if c is not None))
 
 
-def unmeasured_cost_model(config: ModelConfig, dtype: torch.dtype) -> CostModel:
-    """The served model's shape on a nominal device with no overlap: good for ratios (ρ, KV
-    need) and the planner's no-overlap mode, not for predicting seconds."""
-    from scheduler.cost_model import HardwareProfile, ModelShape
-
-    shape = ModelShape.from_hf_config(config.to_hf(str(dtype).removeprefix("torch.")),
-                                      name="served")
-    return CostModel(shape, HardwareProfile("unmeasured", flops=1e11, bandwidth=2e10,
-                                            batch_multiple=1, overlap=0.0))
-
-
 def _host_sampling(st: SamplingState) -> bool:
     """Greedy rows without logprobs or penalties are sampled on the device, in the model
     dtype (one max per row); any other row has the step's logits widened to float32."""
@@ -785,9 +774,12 @@ def _decodes(s: _Seq, n: int) -> bool:
     return n == 1 and s.generated > 0
 
 
-def _step_shape(batch: list[tuple[_Seq, int]]) -> tuple[int, int, int, int, int]:
-    """(tokens, rows, prefill attention pairs, decode KV read, decodes) of a scheduled batch."""
+def _step_shape(batch: list[tuple[_Seq, int]],
+                page_size: int) -> tuple[int, int, int, int, int, int]:
+    """(tokens, rows, prefill attention pairs, decode KV read, decodes, of that KV the tokens
+    of cached pages another decode reads too) of a scheduled batch."""
     tokens = rows = pairs = kv = decodes = 0
+    cached: list[int] = []
     for s, n in batch:
         tokens += n
         if s.computed + n == len(s.tokens):
@@ -795,6 +787,7 @@ def _step_shape(batch: list[tuple[_Seq, int]]) -> tuple[int, int, int, int, int]
         if _decodes(s, n):
             decodes += 1
             kv += s.computed + 1
+            cached += s.pages[:s.tree_pages]
         else:
             pairs += n * s.computed + n * (n + 1) // 2
-    return tokens, rows, pairs, kv, decodes
+    return tokens, rows, pairs, kv, decodes, (len(cached) - len(set(cached))) * page_size

@@ -3,12 +3,17 @@
 The planner and the simulator cost a step as t = W + combine(compute, memory) (scheduler/
 cost_model.py). This module measures that model for one engine: it times the engine's own
 forward and sampling over a spread of step shapes (decode batches at short and long contexts,
-prefill chunks fresh and over a cached prefix, a mixed step; then the same kinds as large as a
-real batch's, sized to the device) and fits, by non-negative least squares weighted by
-1/sqrt(seconds) (between relative error, where a 0.1 s decode step counts as much as a 5 s
-prefill step, and absolute error, which predicts a run's total but not its small steps),
+some on a prefix every row shares, prefill chunks fresh and over a cached prefix, a mixed step;
+then the same kinds as large as a real batch's, sized to the device) and fits, by non-negative
+least squares weighted by 1/sqrt(seconds) (between relative error, where a 0.1 s decode step
+counts as much as a 5 s prefill step, and absolute error, which predicts a run's total but not
+its small steps),
 
-    t = W + tokens·s_token + rows·s_row + pairs·s_pair + kv·s_kv
+    t = W + tokens·s_token + rows·s_row + pairs·s_pair + (kv − shared)·s_kv + shared·s_shared
+
+(shared: decodes' reads of pages another decode of the step reads too, which a CPU finds in its
+caches: a batch of 96 few-shot prompts on one 1,500-token prefix ran in 5.5 s where a per-row
+price said 7.0, and 5.6 with s_shared, half of s_kv on a 2-core Xeon)
 
 — overlap 0, because this runtime runs attention and GEMMs one after the other on one stream.
 The steps of a representative real run through `Engine.generate` (long prompts at the step cap,
@@ -46,15 +51,17 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 10  # 2: real steps of a representative run in the fit; 3: attention kind;
+PROFILE_VERSION = 11  # 2: real steps of a representative run in the fit; 3: attention kind;
 # 4: what the measurement covered (a small engine's profile no longer serves a full one);
 # 5: the fit weighted by 1/sqrt(seconds), the representative run sized to the device;
 # 6: the device's default step cap (the simulator's, for this profile); 7: large step shapes;
 # 8: CPU engines reuse freed memory (engine.reuse_freed_memory): large steps run faster;
 # 9: the CPU kernel no longer cascades: decodes read (and the steps count) a shared prefix per row
 # 10: s_per_fresh_kv_token, a KV token's first write on a page never used
+# 11: s_per_shared_kv_token, decodes' reads of pages another decode of the step reads too
 FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
-FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token")
+FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token",
+            "s_per_shared_kv_token")
 LONG_STEP_S = 0.5  # a step shape whose warm-up took longer is timed once more, not `reps` times
 # The representative run's size, (requests, longest output): the largest that the step shapes'
 # fit says runs within CALIBRATION_BUDGET_S, so that a slow CPU (fp32 on AVX2 behind a few GB/s
@@ -82,25 +89,30 @@ class Sample:
     pairs: int
     kv_read: int
     seconds: float
+    kv_shared: int = 0  # of kv_read: pages another decode of the step reads too
 
     @classmethod
-    def of(cls, q_lens: Sequence[int], kv_lens: Sequence[int], seconds: float) -> Sample:
-        tokens = rows = pairs = kv = 0
+    def of(cls, q_lens: Sequence[int], kv_lens: Sequence[int], seconds: float,
+           shared: int = 0) -> Sample:
+        """A step shape's features; `shared`: tokens of whole pages every decode starts with."""
+        tokens = rows = pairs = kv = decodes = 0
         for q, k in zip(q_lens, kv_lens):
             tokens += q
             rows += 1
             if q == 1:
                 kv += k
+                decodes += 1
             else:
                 pairs += q * (k - q) + q * (q + 1) // 2
-        return cls(tokens, rows, pairs, kv, seconds)
+        return cls(tokens, rows, pairs, kv, seconds, shared * max(decodes - 1, 0))
 
     @classmethod
     def from_record(cls, r: StepRecord) -> Sample:
-        return cls(r.tokens, r.rows, r.pairs, r.kv_read, r.seconds)
+        return cls(r.tokens, r.rows, r.pairs, r.kv_read, r.seconds, r.kv_shared)
 
     def features(self) -> list[float]:
-        return [1.0, float(self.tokens), float(self.rows), float(self.pairs), float(self.kv_read)]
+        return [1.0, float(self.tokens), float(self.rows), float(self.pairs),
+                float(self.kv_read - self.kv_shared), float(self.kv_shared)]
 
 
 def step_shapes(capacity_tokens: int, scale: int = 1) -> list[tuple[list[int], list[int]]]:
@@ -120,6 +132,18 @@ def step_shapes(capacity_tokens: int, scale: int = 1) -> list[tuple[list[int], l
     shapes.append(([96 * scale] * 6, [96 * scale] * 6))  # several prompts in one step
     shapes.append(([1] * 32 * scale + [256 * scale], [320 * scale] * 32 * scale + [256 * scale]))
     return [(q, k) for q, k in shapes if sum(k) <= capacity_tokens // 2]
+
+
+def shared_step_shapes(capacity_tokens: int, scale: int = 1) -> list[tuple[list[int], list[int], int]]:
+    """(q_lens, kv_lens, shared) of decode batches whose rows all start with the same `shared`
+    tokens of pages (a system prompt, few-shot examples): a CPU's later rows find those pages
+    in its caches (on a 2-core Xeon a 1,500-token prefix read by 96 rows cost half a plain read
+    a token, and a few-shot run came out 33% shorter than a per-row price said), up to
+    prefixes larger than a core's cache."""
+    shapes = [([1] * batch * scale, [(shared + own) * scale] * batch * scale, shared * scale)
+              for batch, shared, own in ((16, 640, 64), (48, 1536, 48), (8, 2560, 128),
+                                         (24, 4096, 32))]
+    return [(q, k, n) for q, k, n in shapes if sum(k) - n * (len(k) - 1) <= capacity_tokens // 2]
 
 
 def large_step_shapes(capacity_tokens: int, size: float = 1.0) -> list[tuple[list[int], list[int]]]:
@@ -152,29 +176,30 @@ def large_size(coef: dict[str, float], capacity_tokens: int) -> float:
 
 
 def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int = 2,
-              long_s: float = LONG_STEP_S) -> float:
+              long_s: float = LONG_STEP_S, shared: int = 0) -> float:
     """Seconds of the engine's forward + greedy sampling on one step shape: the mean of `reps`
     runs after a warm-up, or one run when the warm-up took over `long_s` (a long step is timed
     well enough once, and a slow CPU must not spend minutes on its profile). The mean, not the
     best: the runs the profile predicts pay the machine's noise too, and best-of-three timings
     on a noisy VM came out 10-20% under the real steps. The K/V pages are borrowed from the
-    engine's pool and handed back."""
+    engine's pool and handed back; the decodes' first `shared` tokens are on the same pages."""
     ps = engine.pool.page_size
-    pages = engine.pool.alloc(sum(-(-k // ps) for k in kv_lens))
+    pages = engine.pool.alloc(sum(-(-k // ps) for k in kv_lens) - shared // ps * (len(kv_lens) - 1))
     try:
         times = _forward_times(engine, q_lens, kv_lens, pages,
-                               lambda t: len(t) >= 1 + (reps if t[0] <= long_s else 1))
+                               lambda t: len(t) >= 1 + (reps if t[0] <= long_s else 1), shared)
     finally:
         engine.pool.free(pages)
     return float(np.mean(times[1:]))
 
 
 def _forward_times(engine: Engine, q_lens: list[int], kv_lens: list[int], pages: list[int],
-                   done: Callable[[list[float]], bool]) -> list[float]:
-    """Seconds of each forward + greedy sampling of one step shape on `pages`, until `done`."""
+                   done: Callable[[list[float]], bool], shared: int = 0) -> list[float]:
+    """Seconds of each forward + greedy sampling of one step shape on `pages`, until `done`;
+    every sequence's first `shared` tokens on the same pages."""
     ps = engine.pool.page_size
-    it = iter(pages)
-    tables = [[next(it) for _ in range(-(-k // ps))] for k in kv_lens]
+    common, it = pages[: shared // ps], iter(pages[shared // ps :])
+    tables = [common + [next(it) for _ in range(-(-k // ps) - len(common))] for k in kv_lens]
     dev = engine.model.device
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, engine.vocab_size, (sum(q_lens),), generator=gen).to(dev)
@@ -237,8 +262,9 @@ def _nnls(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
     # up most of a run (a representative run's total came out 9-14% short on a slow CPU; 4% with
     # this weighting, at the same mean relative error per step).
     w = 1.0 / np.sqrt(np.maximum(y, 1e-9))
-    # Five unknowns: solve on every subset of them and keep the best non-negative solution.
-    fits: list[tuple[float, bool, np.ndarray]] = []  # (error, has both rates, coefficients)
+    # Six unknowns: solve on every subset of them and keep the best non-negative solution.
+    rates = [1, 4] + ([5] if x[:, 5].any() else [])  # per token, per KV token (plain, shared)
+    fits: list[tuple[float, bool, np.ndarray]] = []  # (error, has the rates, coefficients)
     for k in range(1, x.shape[1] + 1):
         for cols in itertools.combinations(range(x.shape[1]), k):
             sol, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], y * w, rcond=None)
@@ -246,10 +272,12 @@ def _nnls(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
                 continue
             coef = np.zeros(x.shape[1])
             coef[list(cols)] = sol
-            fits.append((float(np.mean(np.abs(x @ coef - y) * w)), 1 in cols and 4 in cols, coef))
-    # Per-token and per-KV-token times are never 0: a fit with both, unless the timings are too
-    # noisy to show them (a tiny model on a loaded machine); then the best of any, with those
-    # rates floored above 0 so that no rate divides by zero.
+            fits.append((float(np.mean(np.abs(x @ coef - y) * w)),
+                         all(c in cols for c in rates), coef))
+    # Per-token and per-KV-token times are never 0 (nor a shared KV read's, where the samples
+    # hold some): a fit with those, unless the timings are too noisy to show them (a tiny model
+    # on a loaded machine); then the best of any, with the plain rates floored above 0 so that
+    # no rate divides by zero.
     if not fits:
         raise ValueError("no non-negative step model fits the measurements")
     err, _, coef = min([f for f in fits if f[1]] or fits, key=lambda f: f[0])
@@ -312,10 +340,12 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
     from runtime.engine import default_step_tokens
 
     started = time.perf_counter()
-    device = engine.model.device
+    device, ps = engine.model.device, engine.pool.page_size
     # Timings taken while other processes share the cores come out slow: say how much.
     with LoadMeter() as meter:
         shapes = [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in _shapes(engine)]
+        shapes += [Sample.of(q, k, time_step(engine, q, k, reps, shared=n), n // ps * ps)
+                   for q, k, n in shared_step_shapes(engine.kv_capacity_tokens, _scale(engine))]
         # Then the large shapes, as large as this device times them within their budget.
         size = large_size(fit(shapes)[0], engine.kv_capacity_tokens)
         large = large_step_shapes(engine.kv_capacity_tokens, size)
@@ -369,8 +399,12 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
     }
 
 
+def _scale(engine: Engine) -> int:
+    return 1 if engine.model.device.type == "cpu" else 8
+
+
 def _shapes(engine: Engine) -> list[tuple[list[int], list[int]]]:
-    return step_shapes(engine.kv_capacity_tokens, 1 if engine.model.device.type == "cpu" else 8)
+    return step_shapes(engine.kv_capacity_tokens, _scale(engine))
 
 
 def _longest_prompt(engine: Engine) -> int:
@@ -387,6 +421,7 @@ def covers(profile: dict[str, Any], engine: Engine) -> bool:
     return (profile.get("kernel") == _kernel_id(engine)
             and profile.get("linear") == linear_kind(engine)
             and fit.get("shapes", 0) >= len(_shapes(engine)) + len(
+                shared_step_shapes(engine.kv_capacity_tokens, _scale(engine))) + len(
                 large_step_shapes(engine.kv_capacity_tokens))
             and fit.get("longest_prompt", 0) >= _longest_prompt(engine)
             and fit.get("step_tokens", 0) >= min(engine.config.max_batch_tokens, FULL_STEP_TOKENS))

@@ -84,7 +84,8 @@ class StepCoefficients:
     """A step-time model fitted on the served model and device (`blendserve profile`).
 
     t_step = step_fixed_s + combine(compute, memory), where
-    compute = tokens·s_per_token + rows·s_per_row + pairs·s_per_pair and memory = kv·s_per_kv_token.
+    compute = tokens·s_per_token + rows·s_per_row + pairs·s_per_pair and
+    memory = (kv − shared)·s_per_kv_token + shared·s_per_shared_kv_token.
     """
 
     step_fixed_s: float  # W: weights read once per step, launch and host (Python) overhead
@@ -95,9 +96,13 @@ class StepCoefficients:
     # a KV slot's first write on a page the process never used (the OS backs it then): on a
     # CPU, per KV token written to a fresh page; 0 where memory is allocated up front (GPUs)
     s_per_fresh_kv_token: float = 0.0
+    # decode attention, per KV token another decode of the step reads too (a shared prompt
+    # prefix: on a CPU the later rows find it in cache); None: as s_per_kv_token
+    s_per_shared_kv_token: float | None = None
 
     def __post_init__(self) -> None:
-        if (min(self.step_fixed_s, self.s_per_row, self.s_per_pair, self.s_per_fresh_kv_token) < 0
+        if (min(self.step_fixed_s, self.s_per_row, self.s_per_pair, self.s_per_fresh_kv_token,
+                self.s_per_shared_kv_token or 0.0) < 0
                 or self.s_per_token <= 0 or self.s_per_kv_token <= 0):
             raise ProfileError("step coefficients must be >= 0 (per-token and per-KV-token > 0)")
 
@@ -163,6 +168,8 @@ class HardwareProfile:
             s_per_pair=float(step.get("s_per_pair", 0.0)),
             s_per_kv_token=float(step["s_per_kv_token"]),
             s_per_fresh_kv_token=float(step.get("s_per_fresh_kv_token", 0.0)),
+            s_per_shared_kv_token=(None if step.get("s_per_shared_kv_token") is None
+                                   else float(step["s_per_shared_kv_token"])),
         )
         flops = float(data["flops"])
         cap, mem = data.get("kv_capacity_bytes"), data.get("memory_bytes")
@@ -254,6 +261,18 @@ class CostModel:
         return m.s_per_kv_token if m is not None else self.kv_bytes_per_token / self.hardware.bandwidth
 
     @property
+    def seconds_per_shared_kv_token(self) -> float:
+        """A decode's read of a KV token another decode of the step reads too: nothing where
+        the attention cascades (the group reads it once), the measured rate where a profile has
+        one (a CPU finds it in cache), else a plain read."""
+        m = self.hardware.measured
+        if self.hardware.cascade:
+            return 0.0
+        if m is not None and m.s_per_shared_kv_token is not None:
+            return m.s_per_shared_kv_token
+        return self.seconds_per_kv_token
+
+    @property
     def seconds_per_fresh_kv_token(self) -> float:
         """A KV token's first write on a page the process never used (measured; 0 otherwise)."""
         m = self.hardware.measured
@@ -341,9 +360,11 @@ class CostModel:
                 + float(pairs) * self.seconds_per_pair
                 + float(fresh_kv) * self.seconds_per_fresh_kv_token)
 
-    def step_memory_time(self, kv_tokens_read: float) -> float:
-        """Memory traffic of one step: its KV reads plus one read of the weights."""
-        return float(kv_tokens_read) * self.seconds_per_kv_token + self.weights_read_s
+    def step_memory_time(self, kv_tokens_read: float, shared: float = 0.0) -> float:
+        """Memory traffic of one step: its KV reads (`shared` of them of tokens another decode
+        of the step reads too) plus one read of the weights."""
+        return ((float(kv_tokens_read) - float(shared)) * self.seconds_per_kv_token
+                + float(shared) * self.seconds_per_shared_kv_token + self.weights_read_s)
 
     def combine(self, compute_s: Any, memory_s: Any) -> Any:
         """Compute and memory time of one step (or arrays of steps), overlapped as the device does."""

@@ -33,7 +33,7 @@ def report_path(data_dir: Path, batch_id: str) -> Path:
 def step_split(cost: CostModel, log: Sequence[StepRecord]) -> tuple[np.ndarray, np.ndarray]:
     """([steps] compute, [steps] memory) seconds the step model gives each logged step."""
     comp = np.array([cost.step_compute_time(r.tokens, r.rows, r.pairs, r.fresh_kv) for r in log])
-    mem = np.array([cost.step_memory_time(r.kv_read) for r in log])
+    mem = np.array([cost.step_memory_time(r.kv_read, r.kv_shared) for r in log])
     return comp, mem
 
 

@@ -1,4 +1,10 @@
-"""KV reads that cascade attention saves: decodes sharing a prompt prefix read it once per step.
+"""KV reads of a prompt prefix that several of a step's decodes share.
+
+CascadeReads: what cascade attention saves, where decodes sharing a prefix read it once a step.
+SharedReads: the reads a decode makes of pages another decode of the step reads too, where
+each decode reads its own context (the CPU kernel): later rows find those pages in the CPU's
+caches, and a measured profile prices them apart (StepCoefficients.s_per_shared_kv_token).
+
 
 The CPU runtime's attention (runtime/attention/torch_backend.py) groups a step's decodes by
 their first KV page and attends the pages the whole group shares once, stacking the group's
@@ -70,3 +76,35 @@ class CascadeReads:
             node = nxt
         pages = self._depth[node] // self._ps
         return pages * self._ps * (members - 1) if pages >= self._min else 0
+
+
+class SharedReads:
+    """Decoding requests by prefix-tree path, and the KV tokens their decodes read of pages
+    another decode reads too: every whole page of the prefix-tree node it ends in is read once
+    by each request through that node, one of them first (the runtime's decodes share the
+    radix cache's pages of their common prefix, at any depth)."""
+
+    def __init__(self, tree: PrefixTree, page_size: int = PAGE_SIZE) -> None:
+        depth = tree.depth
+        parent_depth = depth - tree.edge_len
+        # tokens of the whole pages that end inside each node's edge
+        self._tokens: list[int] = ((depth // page_size - parent_depth // page_size)
+                                   * page_size).tolist()
+        self._ref = [0] * tree.num_nodes
+        self._shared = 0
+
+    def add(self, path: list[int]) -> None:
+        for node in path:
+            if self._ref[node]:
+                self._shared += self._tokens[node]
+            self._ref[node] += 1
+
+    def remove(self, path: list[int]) -> None:
+        for node in path:
+            self._ref[node] -= 1
+            if self._ref[node]:
+                self._shared -= self._tokens[node]
+
+    def saved_tokens(self) -> int:
+        """KV tokens this step's decodes read that another decode reads too."""
+        return self._shared

@@ -33,7 +33,7 @@ import numpy as np
 from scheduler.cost_model import CostModel
 from scheduler.errors import SchedulerError
 from scheduler.prefix_tree import PrefixTree
-from scheduler.simulate.cascade import CascadeReads
+from scheduler.simulate.cascade import CascadeReads, SharedReads
 from scheduler.simulate.prefix_cache import PrefixCache
 from scheduler.simulate.trace import TraceEntry
 from scheduler.types import AdmissionPolicy, StepBudget
@@ -102,8 +102,13 @@ class _Run:
         self.n = len(entries)
         tree = tree or PrefixTree.build([e.request.prompt_token_ids for e in entries])
         self.cache = PrefixCache(tree)
-        # decodes sharing a prefix read it once a step, where the device's attention cascades
-        self.cascade = CascadeReads(tree) if cost.hardware.cascade else None
+        # decodes sharing a prefix read it once a step, where the device's attention cascades;
+        # elsewhere the reads of pages another decode reads too may cost less (a CPU's caches)
+        self.cascade: CascadeReads | SharedReads | None = None
+        if cost.hardware.cascade:
+            self.cascade = CascadeReads(tree)
+        elif cost.seconds_per_shared_kv_token != cost.seconds_per_kv_token:
+            self.cascade = SharedReads(tree)
         self.g0 = [0] * self.n  # tokens generated when the current decode stint began
         self.base = [0] * self.n  # step of the current stint's first decode
         self.epoch = [0] * self.n  # bumps on preemption: stale heap entries are skipped
@@ -286,17 +291,18 @@ class _Run:
 
     # ------------------------------------------------------------------ steps
     def record(self, tokens: int, rows: int, pairs: int, kv_read: float, prefill: int,
-               decoding: int, used: int) -> None:
+               decoding: int, used: int, shared: int = 0) -> None:
         # The engine keeps a finished request's KV in its cache: until the pool is full every
         # token written lands on a page it never used (the first write costs more on a CPU)
         fresh = min(self.written + tokens, self.fresh) - min(self.written, self.fresh)
         self.written += tokens
         self.comp.append(self.cost.step_compute_time(tokens, rows, pairs, fresh))
-        self.mem.append(self.cost.step_memory_time(kv_read))
+        self.mem.append(self.cost.step_memory_time(kv_read, shared))
         self.trace_rows.append((prefill, decoding, len(self.queue), used))
 
     def shared_reads(self) -> int:
-        """KV this step's decodes skip: a shared prefix is read once per group (cascade)."""
+        """KV reads of this step's decodes that another decode makes too (a shared prefix:
+        read once per group where the attention cascades, from cache on a CPU)."""
         return 0 if self.cascade is None else self.cascade.saved_tokens()
 
     def start_decoding(self, starting: list[int]) -> None:
@@ -367,7 +373,7 @@ class _Run:
             self.cache.evict(over)  # k·n fits in what is not pinned
         used = self.used()
         for j in range(k):
-            self.record(n, n, 0, self.ctx + n * j - self.shared_reads(), 0, n, used + n * (j + 1))
+            self.record(n, n, 0, self.ctx + n * j, 0, n, used + n * (j + 1), self.shared_reads())
         self.ctx += k * n
         self.gen += k * n
         self.t += k
@@ -394,9 +400,8 @@ class _Run:
         self.prefilled += done
         self.gen += self.n_dec
         # 4. cost: the decodes read their contexts; prompts that completed sample a token
-        self.record(tokens, self.n_dec + len(starting), pairs, self.ctx - self.shared_reads(), done,
-                    self.n_dec,
-                    self.used())
+        self.record(tokens, self.n_dec + len(starting), pairs, self.ctx, done, self.n_dec,
+                    self.used(), self.shared_reads())
         self.ctx += self.n_dec
         self.t += 1
         self.start_decoding(starting)

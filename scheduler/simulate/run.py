@@ -92,9 +92,9 @@ def device_floor(entries: Sequence[TraceEntry], cost: CostModel, tree: PrefixTre
     """CostModel.device_floor with what no order avoids. Compute: every distinct prompt token
     once, every decode, a sampled row per output token, and each prompt's causal pairs past
     the prefix it shares with another request. KV reads: decode k = 1 … d − 1 reads p + k tokens
-    (the prefill step samples the first). Steps: S_min, and (without cascade) the steps the KV
-    capacity forces: a decode's tokens past its shared prefix sit in slots of its own, and one
-    step reads at most the capacity of them."""
+    (the prefill step samples the first), those of the shared prefix at the shared rate.
+    Steps: S_min, and (without cascade) the steps the KV capacity forces: a decode's tokens past
+    its shared prefix sit in slots of its own, and one step reads at most the capacity of them."""
     p, d = trace_lengths(entries)
     shared = tree.depth[tree.parent[tree.leaf_node]].astype(np.float64)  # prefix another holds
     decodes = np.maximum(d - 1.0, 0.0)
@@ -104,8 +104,10 @@ def device_floor(entries: Sequence[TraceEntry], cost: CostModel, tree: PrefixTre
     reads = p * decodes + generated
     own_reads = (p - shared) * decodes + generated
     kv_steps = 0.0 if cost.hardware.cascade else float(own_reads.sum()) / max(kv_capacity_tokens, 1)
-    return cost.device_floor(compute, float(reads.sum()) * cost.seconds_per_kv_token,
-                             max(s_min, kv_steps))
+    # a read of the shared prefix may be one another decode makes too (at most what that costs)
+    kv_s = (float(own_reads.sum()) * cost.seconds_per_kv_token + float((reads - own_reads).sum())
+            * min(cost.seconds_per_kv_token, cost.seconds_per_shared_kv_token))
+    return cost.device_floor(compute, kv_s, max(s_min, kv_steps))
 
 
 def leaves_split(policy: AdmissionPolicy) -> int | None:

@@ -333,6 +333,20 @@ def test_the_step_log_counts_a_prefix_shared_by_decodes_as_the_backend_reads_it(
     own = sum(len(p) + 1 - 40 for p in ps)  # past the shared pages: prompt tail + 1 token
     # the kernel reads the shared pages once per row; the gather path once for the group (cascade)
     assert first_decode.kv_read == (own + 4 * 40 if kernel else own + 40)
+    # reads of pages another decode reads too: three rows' worth of the prefix, per row
+    assert first_decode.kv_shared == (3 * 40 if kernel else 0)
+
+
+def test_the_step_log_counts_nested_shared_prefixes_page_by_page() -> None:
+    # four prompts on 40 tokens (10 pages of 4); two of them share 16 more (4 pages) and one a
+    # 2-token tail: its partial page is its own
+    base, more = prompts(1, prefix=40, lo=16, hi=17)[0][:40], prompts(1, lo=16, hi=17, seed=2)[0]
+    ps = [base + more + [1 + i, 3 + i] for i in range(2)] + [base + [5 + i, 7 + i] for i in range(2)]
+    engine = make_engine(max_batch_tokens=512)
+    run(engine, greedy(ps, max_tokens=3))
+    first_decode = engine.step_log[1]
+    assert first_decode.decodes == 4
+    assert first_decode.kv_shared == 3 * 40 + 16
 
 
 def test_a_cached_prefix_that_would_start_a_prompt_is_not_also_counted_as_free() -> None:

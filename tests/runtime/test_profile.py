@@ -27,6 +27,7 @@ from runtime.profile import (
     load_or_measure,
     measure,
     predict,
+    shared_step_shapes,
     step_shapes,
     write_profile,
 )
@@ -34,15 +35,16 @@ from scheduler.cost_model import HardwareProfile
 from tests.runtime.test_engine import make_engine, tiny_model
 
 TRUE = {"step_fixed_s": 0.05, "s_per_token": 2e-3, "s_per_row": 1e-3, "s_per_pair": 5e-7,
-        "s_per_kv_token": 1e-5}
+        "s_per_kv_token": 1e-5, "s_per_shared_kv_token": 4e-6}
 
 
 def _samples(noise: dict[int, float] | None = None) -> list[Sample]:
     out = []
-    for i, (q, k) in enumerate(step_shapes(10**6)):
-        s = Sample.of(q, k, 0.0)
+    shapes = [(q, k, 0) for q, k in step_shapes(10**6)] + shared_step_shapes(10**6)
+    for i, (q, k, shared) in enumerate(shapes):
+        s = Sample.of(q, k, 0.0, shared)
         t = predict(TRUE, s) * (noise or {}).get(i, 1.0)
-        out.append(Sample(s.tokens, s.rows, s.pairs, s.kv_read, t))
+        out.append(Sample(s.tokens, s.rows, s.pairs, s.kv_read, t, s.kv_shared))
     return out
 
 
@@ -68,14 +70,24 @@ def test_timings_too_noisy_to_show_the_kv_reads_still_fit_a_usable_model() -> No
 
 def test_step_shapes_count_decode_reads_and_prefill_pairs() -> None:
     s = Sample.of([1, 1, 4], [10, 20, 6], 0.0)  # two decodes, a 4-token chunk over 2 cached
-    assert (s.tokens, s.rows, s.kv_read, s.pairs) == (6, 3, 30, 4 * 2 + 10)
+    assert (s.tokens, s.rows, s.kv_read, s.pairs, s.kv_shared) == (6, 3, 30, 4 * 2 + 10, 0)
+    # three decodes on the same first 32 tokens: two of them read pages the first reads too
+    s = Sample.of([1, 1, 1], [40, 50, 60], 0.0, shared=32)
+    assert (s.kv_read, s.kv_shared) == (150, 64)
+
+
+def test_shared_step_shapes_fit_the_pool_they_share() -> None:
+    for q, k, shared in shared_step_shapes(10**6):
+        assert set(q) == {1} and min(k) > shared > 0
+    small = shared_step_shapes(40_000)  # the pages of the shared prefix counted once
+    assert small and all(sum(k) - n * (len(k) - 1) <= 20_000 for _, k, n in small)
 
 
 # SmolLM2-135M as measured: bf16 on an AVX512-BF16 core, and fp32 on a slow AVX2 VM.
 FAST = {"step_fixed_s": 0.015, "s_per_token": 4.3e-4, "s_per_row": 0.0, "s_per_pair": 2e-7,
-        "s_per_kv_token": 3e-6}
+        "s_per_kv_token": 3e-6, "s_per_shared_kv_token": 1.5e-6}
 SLOW = {"step_fixed_s": 0.15, "s_per_token": 2.7e-3, "s_per_row": 0.0, "s_per_pair": 2.4e-6,
-        "s_per_kv_token": 2.8e-5}
+        "s_per_kv_token": 2.8e-5, "s_per_shared_kv_token": 1.4e-5}
 
 
 def test_a_slow_device_runs_a_smaller_calibration_within_the_budget() -> None:
@@ -114,7 +126,9 @@ def test_a_profile_measured_without_the_large_shapes_is_measured_again(tmp_path:
     profile, _, _ = load_or_measure(engine, tmp_path)
     cap = engine.kv_capacity_tokens
     large = large_step_shapes(cap, profile["fit"]["large_shapes_size"])
-    assert large and profile["fit"]["shapes"] == len(step_shapes(cap)) + len(large)
+    shared = shared_step_shapes(cap)
+    assert large and shared
+    assert profile["fit"]["shapes"] == len(step_shapes(cap)) + len(shared) + len(large)
     assert covers(profile, engine)
     older = {**profile, "fit": {**profile["fit"], "shapes": len(step_shapes(cap))}}
     assert not covers(older, engine)

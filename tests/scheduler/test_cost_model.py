@@ -74,6 +74,22 @@ def test_a_measured_step_model_replaces_the_datasheet_coefficients(tmp_path):
     # 100 KV tokens written on pages never used cost their first write too
     assert cm.step_compute_time(100, 1, 5050, fresh_kv=100) == pytest.approx(
         0.2 + 0.001 + 5050 * 5e-7 + 100 * 4e-5)
+    # a profile from before shared reads were priced apart reads them at the plain rate
+    assert cm.seconds_per_shared_kv_token == 1e-5
+    assert cm.step_memory_time(500, shared=300) == pytest.approx(500 * 1e-5)
+
+
+def test_reads_of_pages_another_decode_reads_cost_the_shared_rate(tmp_path):
+    step = {"step_fixed_s": 0.05, "s_per_token": 0.002, "s_per_kv_token": 1e-5,
+            "s_per_shared_kv_token": 4e-6}
+    data = {"name": "measured:m@cpu", "flops": 1e11, "bandwidth_bytes_per_s": 4e9,
+            "step_model": step, "model_config": dict(MODEL_SHAPES["smollm2-135m"])}
+    cm = CostModel(ModelShape.from_hf_config(data["model_config"]), HardwareProfile.from_dict(data))
+    # four decodes read 500 tokens each; three of them read 400 the first reads too
+    assert cm.step_memory_time(2000, shared=1200) == pytest.approx(800 * 1e-5 + 1200 * 4e-6)
+    # where the attention cascades the group reads a shared prefix once: the rest costs nothing
+    cascade = CostModel(cm.shape, HardwareProfile.from_dict({**data, "cascade": True}))
+    assert cascade.step_memory_time(2000, shared=1200) == pytest.approx(800 * 1e-5)
 
 
 def test_a_profile_file_without_bandwidth_is_rejected(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler.cost_model import CostModel
+from scheduler.cost_model import CostModel, StepCoefficients
 from scheduler.policies import make_policy
 from scheduler.prefix_tree import PrefixTree
 from scheduler.simulate import (
@@ -448,6 +448,21 @@ def test_with_cascade_attention_decodes_read_a_shared_prefix_once() -> None:
     plain = 3 * (74 + 1)  # each decode reads its prompt and its first token
     assert first_decode_read(False) == pytest.approx(plain)
     assert first_decode_read(True) == pytest.approx(plain - 2 * 64)
+
+
+def test_where_a_profile_prices_shared_reads_apart_nested_prefixes_count_page_by_page() -> None:
+    # As the CPU runtime logs them (tests/runtime/test_engine.py): four prompts on 64 tokens,
+    # two of them on 32 more; each page another decode reads too costs the shared rate.
+    shared, more = tokens(5, 64), tokens(6, 32)
+    trace = [make_entry(f"n{i}", shared + more + tokens(40 + i, 10), 5) for i in range(2)] + [
+        make_entry(f"s{i}", shared + tokens(50 + i, 10), 5) for i in range(2)]
+    step = StepCoefficients(step_fixed_s=0.01, s_per_token=1e-4, s_per_row=0.0, s_per_pair=0.0,
+                            s_per_kv_token=2e-6, s_per_shared_kv_token=5e-7)
+    cost = CostModel(COST.shape, replace(COST.hardware.idealised(overlap=0.0), measured=step))
+    policy = make_policy("fcfs", [e.request for e in trace], kv_capacity_tokens=10**5)
+    result = simulate(trace, policy, cost, SimConfig(10**5))
+    reads, again = 2 * (106 + 1) + 2 * (74 + 1), 3 * 64 + 32
+    assert result.step_memory_s[1] == pytest.approx((reads - again) * 2e-6 + again * 5e-7)
 
 
 def test_cascade_groups_are_the_decodes_on_the_same_first_page_as_in_the_runtime() -> None:
