@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from runtime.attention import cpu_kernel
-from runtime.sampler import Sampler, SamplingState, StopChecker, greedy_tokens
+from runtime.sampler import (
+    Sampler,
+    SamplingState,
+    StopChecker,
+    _filter,
+    _inverse_cdf,
+    draw,
+    greedy_tokens,
+)
 from runtime.types import SamplingParams
 from tests.runtime.factories import WordTokenizer
 
@@ -145,3 +153,33 @@ def test_greedy_tokens_take_the_kernel_argmax_where_the_cpu_has_avx512() -> None
     assert lib is not None, "the CPU kernel did not build here"
     x = _awkward_logits(torch.bfloat16)
     assert cpu_kernel.argmax(lib, x) == x.max(-1).indices.tolist()
+
+
+@pytest.mark.parametrize("peaked", [True, False], ids=["peaked", "flat"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.3, top_k=300),
+    SamplingParams(temperature=1.0, top_k=10, top_p=0.5),
+], ids=["temperature", "top_p", "top_k", "top_k_past_the_window", "top_k_and_top_p"])
+def test_draws_follow_the_filtered_softmax_whichever_path_a_row_takes(
+        params: SamplingParams, peaked: bool) -> None:
+    # 600 tokens, more than the TOP_WINDOW a row filters without a sort: a peaked row's nucleus
+    # ends inside it, a flat row's does not; top_k 300 always sorts
+    logits = torch.randn(600, generator=torch.Generator().manual_seed(4)) * (4.0 if peaked else 0.3)
+    n = 4000
+    want = _filter(logits[None] / params.temperature, torch.tensor([params.top_k]),
+                   torch.tensor([params.top_p]))[0]  # the reference: a full sort
+    want = want / want.sum()  # top-p drops mass without renormalizing: the draw does
+    got = draw(logits.repeat(n, 1), [params] * n,
+               [torch.Generator().manual_seed(i) for i in range(n)])
+    freq = torch.bincount(torch.tensor(got), minlength=600).double() / n
+    assert (freq[want == 0] == 0).all()  # nothing outside top-k / the nucleus
+    assert (freq - want.double()).abs().max() < 0.03
+
+
+def test_a_draw_at_the_top_of_the_cdf_takes_no_token_ruled_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # u × total can round up to the total in float32: searchsorted then points past the last
+    # token that may be drawn (here, into two a grammar masked)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0))
+    weights = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    assert _inverse_cdf(weights, [torch.Generator()] * 2).tolist() == [1, 1]
