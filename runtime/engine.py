@@ -468,11 +468,12 @@ class Engine:
         # 2. run the model on the flat batch
         logits, kv_read = self._run(batch)
         if kv_read is not None and kv_read < shape[3]:  # it read shared prefixes once (cascade)
-            shape = (*shape[:3], kv_read, shape[4], 0)
+            shape = (*shape[:3], kv_read, shape[4], 0, shape[6])
         # 3. apply: advance computed counts, cache finished prompts, sample, finish choices
         outputs = self._apply(pol, batch, logits, waiting, running)
         self.step_log.append(StepRecord(*shape[:5], seconds=time.perf_counter() - started,
                                         grammar_seconds=self._grammar_s, kv_shared=shape[5],
+                                        sampled=shape[6],
                                         fresh_kv=(self.pool.pages_ever_taken - taken) * self.pool.page_size))
         return outputs
 
@@ -775,19 +776,20 @@ def _decodes(s: _Seq, n: int) -> bool:
 
 
 def _step_shape(batch: list[tuple[_Seq, int]],
-                page_size: int) -> tuple[int, int, int, int, int, int]:
+                page_size: int) -> tuple[int, int, int, int, int, int, int]:
     """(tokens, rows, prefill attention pairs, decode KV read, decodes, of that KV the tokens
-    of cached pages another decode reads too) of a scheduled batch."""
-    tokens = rows = pairs = kv = decodes = 0
+    of cached pages another decode reads too, rows drawn at random) of a scheduled batch."""
+    tokens = rows = pairs = kv = decodes = sampled = 0
     cached: list[int] = []
     for s, n in batch:
         tokens += n
         if s.computed + n == len(s.tokens):
             rows += 1
+            sampled += s.sampling.generator is not None
         if _decodes(s, n):
             decodes += 1
             kv += s.computed + 1
             cached += s.pages[:s.tree_pages]
         else:
             pairs += n * s.computed + n * (n + 1) // 2
-    return tokens, rows, pairs, kv, decodes, (len(cached) - len(set(cached))) * page_size
+    return tokens, rows, pairs, kv, decodes, (len(cached) - len(set(cached))) * page_size, sampled

@@ -44,7 +44,7 @@ import torch
 
 from runtime.attention import AttentionBatch, cpu_kernel
 from runtime.host_load import LoadMeter, load_fields
-from runtime.sampler import greedy_tokens
+from runtime.sampler import Sampler, SamplingState, greedy_tokens
 from runtime.types import EngineRequest, SamplingParams, StepRecord
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ PROFILE_VERSION = 11  # 2: real steps of a representative run in the fit; 3: att
 # 8: CPU engines reuse freed memory (engine.reuse_freed_memory): large steps run faster;
 # 9: the CPU kernel no longer cascades: decodes read (and the steps count) a shared prefix per row
 # 10: s_per_fresh_kv_token, a KV token's first write on a page never used
-# 11: s_per_shared_kv_token, decodes' reads of pages another decode of the step reads too
+# 11: s_per_shared_kv_token, decodes' reads of pages another decode of the step reads too;
+# s_per_sampled_row, a row drawn at a temperature > 0
 FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token",
             "s_per_shared_kv_token")
@@ -78,6 +79,8 @@ FRESH_PROMPT = 512
 FRESH_PROMPTS = 8
 FRESH_STEP_S = 1.0
 FRESH_TRIES = 2
+SAMPLED_ROWS = 64  # sampled_row_seconds: a decode step's rows, drawn SAMPLED_TRIES times
+SAMPLED_TRIES = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +251,38 @@ def fresh_kv_seconds(engine: Engine, s_per_token: float) -> float:
     return min(costs, default=0.0)
 
 
+def sampled_row_seconds(engine: Engine, rows: int = SAMPLED_ROWS) -> float:
+    """What a row drawn at a temperature > 0 adds to a step over a greedy one, as the engine
+    samples: the step's logits widened to float32 on the host, each row drawn from its softmax,
+    against the greedy rows' argmax; per row, the median of SAMPLED_TRIES. Half the rows at
+    temperature 1 alone (the OpenAI default: a softmax and a draw over the vocabulary), half
+    with top-p 0.95 too (a topk more) over logits peaked as a language model's are (a few
+    tokens far above the rest, so the nucleus ends inside the sampler's first window). On a
+    2-core Xeon ~0.1 ms a row of SmolLM2's 49,152-token vocabulary, against 0.04 for the whole
+    of a greedy row's own cost (s_per_row): a 64-request chat at temperature 0.8 and top-p 0.95
+    ran 16.0 s where the step model without it said 14.1."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, engine.vocab_size, generator=gen) * 2
+    peaks = torch.randint(0, engine.vocab_size, (rows, 8), generator=gen)
+    logits[torch.arange(rows)[:, None], peaks] += 16.0
+    logits = logits.to(engine.model.device, engine.dtype)
+    kinds = (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.95))
+    states = [SamplingState.create(kinds[i % 2], 0, i) for i in range(rows)]
+    sampler = Sampler()
+
+    def timed(run: Callable[[], object]) -> float:
+        times = []
+        for _ in range(SAMPLED_TRIES):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    greedy = timed(lambda: greedy_tokens(logits))
+    sampled = timed(lambda: sampler.sample(logits.float().cpu(), states))
+    return max(sampled - greedy, 0.0) / rows
+
+
 def fit(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
     """Non-negative least squares of the step model (weights 1/sqrt(seconds)), refitted once without
     the samples it misses by more than half (a timing disturbed by other load); returns the
@@ -365,6 +400,7 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
         steps = [Sample.from_record(r) for r in engine.step_log]
         coef, fit_error = fit(shapes + steps)
         coef["s_per_fresh_kv_token"] = fresh_kv_seconds(engine, coef["s_per_token"])
+        coef["s_per_sampled_row"] = sampled_row_seconds(engine)
     run_error = float(np.mean([abs(predict(coef, s) - s.seconds) / s.seconds for s in steps]))
     run_total = sum(predict(coef, s) for s in steps) / sum(s.seconds for s in steps) - 1.0
     cfg = engine.model.config

@@ -118,14 +118,16 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     plain = (top_k == 0) & (top_p >= 1.0)
     if plain.any():
         rows = plain.nonzero()[:, 0]
-        probs = x[rows].softmax(-1)
+        probs = (x if len(rows) == r else x[rows]).softmax(-1)
         tokens[rows] = _inverse_cdf(probs, [gens[i] for i in rows.tolist()])
     rest = (~plain).nonzero()[:, 0]
+    xs = x if len(rest) == r else x[rest]  # the rows still to draw (a copy only if some are)
+    lse = xs.logsumexp(-1, keepdim=True) if len(rest) else None
     for w in (w for w in TOP_WINDOWS if w < v):
-        if not len(rest):
+        if lse is None or not len(rest):
             break
-        top_v, top_i = x[rest].topk(w, dim=-1)  # best first
-        probs = (top_v - x[rest].logsumexp(-1, keepdim=True)).exp()  # of the whole softmax
+        top_v, top_i = xs.topk(w, dim=-1)  # best first
+        probs = (top_v - lse).exp()  # of the whole softmax
         k, p = top_k[rest], top_p[rest]
         inside = ((k > 0) & (k <= w)) | ((k == 0) & (probs.sum(-1) >= p))
         if inside.any():
@@ -133,9 +135,12 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
             idx = _inverse_cdf(_nucleus(probs[rows], k[rows], p[rows]),
                                [gens[i] for i in rest[rows].tolist()])
             tokens[rest[rows]] = top_i[rows].gather(1, idx[:, None])[:, 0]
-        rest = rest[~inside]
+        if not inside.all():
+            rest, xs, lse = rest[~inside], xs[~inside], lse[~inside]
+        else:
+            rest = rest[:0]
     if len(rest):
-        tokens[rest] = _inverse_cdf(_filter(x[rest], top_k[rest], top_p[rest]),
+        tokens[rest] = _inverse_cdf(_filter(xs, top_k[rest], top_p[rest]),
                                     [gens[i] for i in rest.tolist()])
     return tokens.tolist()
 
@@ -175,7 +180,8 @@ class Sampler:
             for i, t in zip(greedy, greedy_tokens(logits[idx])):
                 tokens[i] = t
         if rand:
-            drawn = draw(logits[torch.tensor(rand)], [states[i].params for i in rand], gens)
+            drawn = draw(logits if len(rand) == r else logits[torch.tensor(rand)],
+                         [states[i].params for i in rand], gens)
             for i, t in zip(rand, drawn):
                 tokens[i] = t
         want = [i for i, s in enumerate(states) if s.params.logprobs]

@@ -105,3 +105,4 @@ class StepRecord:
     grammar_seconds: float = 0.0  # of which: building, applying and advancing grammar masks
     fresh_kv: int = 0  # KV slots on pages never used before that the step took (first writes)
     kv_shared: int = 0  # of kv_read: tokens of pages another decode of the step read too
+    sampled: int = 0  # of rows: drawn at a temperature > 0 (on the host)

@@ -84,8 +84,8 @@ class StepCoefficients:
     """A step-time model fitted on the served model and device (`blendserve profile`).
 
     t_step = step_fixed_s + combine(compute, memory), where
-    compute = tokens·s_per_token + rows·s_per_row + pairs·s_per_pair and
-    memory = (kv − shared)·s_per_kv_token + shared·s_per_shared_kv_token.
+    compute = tokens·s_per_token + rows·s_per_row + pairs·s_per_pair (+ sampled rows and first
+    KV writes, below) and memory = (kv − shared)·s_per_kv_token + shared·s_per_shared_kv_token.
     """
 
     step_fixed_s: float  # W: weights read once per step, launch and host (Python) overhead
@@ -99,10 +99,13 @@ class StepCoefficients:
     # decode attention, per KV token another decode of the step reads too (a shared prompt
     # prefix: on a CPU the later rows find it in cache); None: as s_per_kv_token
     s_per_shared_kv_token: float | None = None
+    # a row drawn at a temperature > 0 beyond a greedy one (its logits widened to float32 on
+    # the host, softmax and a draw over the vocabulary)
+    s_per_sampled_row: float = 0.0
 
     def __post_init__(self) -> None:
         if (min(self.step_fixed_s, self.s_per_row, self.s_per_pair, self.s_per_fresh_kv_token,
-                self.s_per_shared_kv_token or 0.0) < 0
+                self.s_per_shared_kv_token or 0.0, self.s_per_sampled_row) < 0
                 or self.s_per_token <= 0 or self.s_per_kv_token <= 0):
             raise ProfileError("step coefficients must be >= 0 (per-token and per-KV-token > 0)")
 
@@ -170,6 +173,7 @@ class HardwareProfile:
             s_per_fresh_kv_token=float(step.get("s_per_fresh_kv_token", 0.0)),
             s_per_shared_kv_token=(None if step.get("s_per_shared_kv_token") is None
                                    else float(step["s_per_shared_kv_token"])),
+            s_per_sampled_row=float(step.get("s_per_sampled_row", 0.0)),
         )
         flops = float(data["flops"])
         cap, mem = data.get("kv_capacity_bytes"), data.get("memory_bytes")
@@ -273,6 +277,12 @@ class CostModel:
         return self.seconds_per_kv_token
 
     @property
+    def seconds_per_sampled_row(self) -> float:
+        """A row drawn at a temperature > 0 beyond a greedy row (measured; 0 otherwise)."""
+        m = self.hardware.measured
+        return m.s_per_sampled_row if m is not None else 0.0
+
+    @property
     def seconds_per_fresh_kv_token(self) -> float:
         """A KV token's first write on a page the process never used (measured; 0 otherwise)."""
         m = self.hardware.measured
@@ -353,12 +363,13 @@ class CostModel:
         return (1.0 - sharing) * total_comp / total_mem if total_mem > 0 else float("inf")
 
     def step_compute_time(self, tokens: float, rows: float = 0.0, pairs: float = 0.0,
-                          fresh_kv: float = 0.0) -> float:
+                          fresh_kv: float = 0.0, sampled: float = 0.0) -> float:
         """The step's compute; `fresh_kv`: KV tokens it writes on pages never used (host work
-        of the OS, on the compute side)."""
+        of the OS, on the compute side); `sampled`: of its rows, those drawn at random."""
         return (float(tokens) * self.seconds_per_token + float(rows) * self.seconds_per_row
                 + float(pairs) * self.seconds_per_pair
-                + float(fresh_kv) * self.seconds_per_fresh_kv_token)
+                + float(fresh_kv) * self.seconds_per_fresh_kv_token
+                + float(sampled) * self.seconds_per_sampled_row)
 
     def step_memory_time(self, kv_tokens_read: float, shared: float = 0.0) -> float:
         """Memory traffic of one step: its KV reads (`shared` of them of tokens another decode

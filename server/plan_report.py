@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from runtime.types import EngineRequest, RequestOutput, StepRecord
     from scheduler.cost_model import CostModel
+    from scheduler.simulate import TraceEntry
 
 REPORT_VERSION = 1
 
@@ -32,7 +33,8 @@ def report_path(data_dir: Path, batch_id: str) -> Path:
 
 def step_split(cost: CostModel, log: Sequence[StepRecord]) -> tuple[np.ndarray, np.ndarray]:
     """([steps] compute, [steps] memory) seconds the step model gives each logged step."""
-    comp = np.array([cost.step_compute_time(r.tokens, r.rows, r.pairs, r.fresh_kv) for r in log])
+    comp = np.array([cost.step_compute_time(r.tokens, r.rows, r.pairs, r.fresh_kv, r.sampled)
+                     for r in log])
     mem = np.array([cost.step_memory_time(r.kv_read, r.kv_shared) for r in log])
     return comp, mem
 
@@ -100,24 +102,39 @@ def _plan_fields(pol: Any) -> dict[str, Any] | None:
             "sharing_kept": plan.sharing_kept, "rho_target": plan.rho_target}
 
 
-def _simulate(engine: Engine, policy: str,
-              ok: Sequence[tuple[EngineRequest, RequestOutput]]) -> float:
-    """The simulator's makespan for this batch with its true output lengths."""
-    from scheduler.policies import make_policy
-    from scheduler.simulate import SimConfig, TraceEntry, simulate
+def trace_entries(engine: Engine,
+                  ok: Sequence[tuple[EngineRequest, RequestOutput]]) -> list[TraceEntry]:
+    """The batch as the simulator replays it: each of a request's n choices a request of its
+    own on the same prompt (the engine forks them off the cached prompt), with its length."""
+    from dataclasses import replace
+
+    from scheduler.simulate import TraceEntry
 
     entries = []
     for req, out in ok:
         plan = engine.plan_request(req)
-        longest = max((len(c.token_ids) for c in out.choices), default=1)
-        entries.append(TraceEntry(plan, max(longest, 1)))
+        for i, choice in enumerate(out.choices):
+            entries.append(TraceEntry(replace(plan, id=f"{plan.id}#{i}") if i else plan,
+                                      max(len(choice.token_ids), 1)))
+    return entries
+
+
+def _simulate(engine: Engine, policy: str,
+              ok: Sequence[tuple[EngineRequest, RequestOutput]]) -> float:
+    """The simulator's makespan for this batch with its true output lengths."""
+    from scheduler.policies import make_policy
+    from scheduler.simulate import SimConfig, simulate
+
+    entries = trace_entries(engine, ok)
     cap, step = engine.kv_capacity_tokens, engine.config.max_batch_tokens
     pol = make_policy(policy, [e.request for e in entries], kv_capacity_tokens=cap,
                       cost_model=engine.cost_model, step_tokens=step)
     pool = engine.pool  # the KV slots this run found never written, as the engine counted them
     fresh = ((pool.num_pages - pool.pages_ever_taken) * pool.page_size
              + sum(r.fresh_kv for r in engine.step_log))
-    return simulate(entries, pol, engine.cost_model, SimConfig(cap, step, fresh)).makespan_s
+    sampled = sum(len(out.choices) for req, out in ok if req.params.temperature > 0)
+    share = sampled / max(len(entries), 1)
+    return simulate(entries, pol, engine.cost_model, SimConfig(cap, step, fresh, share)).makespan_s
 
 
 def write_report(report: dict[str, Any], path: Path, engine: Engine | None = None) -> Path:

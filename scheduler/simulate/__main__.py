@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                          f"profile's device default, 8192 on a CPU; else {DEFAULT_MAX_STEP_TOKENS})")
     ap.add_argument("--weight-reads", action="store_true",
                     help="no-op: weights are read every step by default (see --free-weights)")
+    ap.add_argument("--sampled-share", type=float, default=0.0,
+                    help="share of the requests drawn at a temperature > 0: their rows pay a "
+                         "measured profile's sampling time (s_per_sampled_row)")
     ap.add_argument("--plan-only", action="store_true", help="plan and time it; no simulation")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of utilisation per step")
     ap.add_argument("--steps-csv", type=Path, default=None,
@@ -115,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         step_tokens = (args.max_step_tokens or cost.hardware.default_step_tokens
                        or DEFAULT_MAX_STEP_TOKENS)
         kv_tokens = args.kv_tokens or cost.kv_capacity_tokens
+        if not 0.0 <= args.sampled_share <= 1.0:
+            raise SchedulerError("--sampled-share must be between 0 and 1")
         cfg = RunConfig(args.policy, kv_tokens, args.sample_rate, args.seed,
-                        step_tokens, args.plan_only)
+                        step_tokens, args.plan_only, args.sampled_share)
         entries = read_trace(args.trace)
         report: dict[str, Any] = {"policy": args.policy, "trace": str(args.trace),
                                   "hardware": cost.hardware.name, "model_shape": cost.shape.name,

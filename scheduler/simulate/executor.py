@@ -52,6 +52,9 @@ class SimConfig:
     # KV slots the process has never written (their first write costs more on a CPU); None: all
     # of them, as in a fresh `blendserve run`
     fresh_kv_tokens: int | None = None
+    # of the rows sampled, the share drawn at a temperature > 0 (each pays the profile's
+    # s_per_sampled_row): the batch's share of such requests
+    sampled_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,8 @@ class _Run:
         # token written lands on a page it never used (the first write costs more on a CPU)
         fresh = min(self.written + tokens, self.fresh) - min(self.written, self.fresh)
         self.written += tokens
-        self.comp.append(self.cost.step_compute_time(tokens, rows, pairs, fresh))
+        self.comp.append(self.cost.step_compute_time(tokens, rows, pairs, fresh,
+                                                     rows * self.cfg.sampled_share))
         self.mem.append(self.cost.step_memory_time(kv_read, shared))
         self.trace_rows.append((prefill, decoding, len(self.queue), used))
 

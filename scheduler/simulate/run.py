@@ -36,6 +36,7 @@ class RunConfig:
     seed: int = 0
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS  # decode + prefill tokens a step holds
     plan_only: bool = False
+    sampled_share: float = 0.0  # SimConfig.sampled_share
 
 
 class TimedPolicy:
@@ -154,8 +155,8 @@ def run_trace(entries: Sequence[TraceEntry], cost: CostModel, cfg: RunConfig,
     s_max = tree.max_sharing_ratio()
     timed = TimedPolicy(policy)
     t1 = time.perf_counter()
-    result = simulate(entries, timed, cost, SimConfig(cfg.kv_capacity_tokens, cfg.max_step_tokens),
-                      tree)
+    result = simulate(entries, timed, cost, SimConfig(cfg.kv_capacity_tokens, cfg.max_step_tokens,
+                                                      sampled_share=cfg.sampled_share), tree)
     sim_seconds = time.perf_counter() - t1
     s_min = min_steps(max(e.output_len for e in entries),
                       tree.unique_tokens + result.output_tokens, cfg.max_step_tokens)

@@ -337,6 +337,16 @@ def test_the_step_log_counts_a_prefix_shared_by_decodes_as_the_backend_reads_it(
     assert first_decode.kv_shared == (3 * 40 if kernel else 0)
 
 
+def test_the_step_log_counts_the_rows_drawn_at_random() -> None:
+    engine = make_engine(max_batch_tokens=512)
+    ps = prompts(4)
+    drawn = SamplingParams(max_tokens=3, temperature=0.9, seed=1, ignore_eos=True)
+    reqs = greedy(ps[:2], max_tokens=3) + [EngineRequest(f"s{i}", p, drawn)
+                                           for i, p in enumerate(ps[2:])]
+    run(engine, reqs)
+    assert [(r.rows, r.sampled) for r in engine.step_log] == [(4, 2)] * 3
+
+
 def test_the_step_log_counts_nested_shared_prefixes_page_by_page() -> None:
     # four prompts on 40 tokens (10 pages of 4); two of them share 16 more (4 pages) and one a
     # 2-token tail: its partial page is its own

@@ -140,6 +140,7 @@ def test_a_measured_profile_loads_into_the_cost_model(tmp_path: Path) -> None:
     assert profile["overlap"] == 0.0 and profile["device"] == "cpu"
     assert profile["step_model"]["s_per_token"] > 0 and profile["step_model"]["s_per_kv_token"] > 0
     assert profile["step_model"]["s_per_fresh_kv_token"] >= 0.0
+    assert profile["step_model"]["s_per_sampled_row"] >= 0.0
     assert profile["fit"]["calibration_steps"] > 5
     if Path("/proc/stat").exists():  # what others took of the CPUs while it was measured
         assert 0.0 <= profile["fit"]["other_load"] <= 1.0 and 0.0 <= profile["fit"]["steal"] <= 1.0
@@ -148,6 +149,7 @@ def test_a_measured_profile_loads_into_the_cost_model(tmp_path: Path) -> None:
     assert hw.measured is not None and hw.overlap == 0.0 and hw.batch_multiple == 1
     cost = cost_model_from_profile(profile)
     assert cost.seconds_per_fresh_kv_token == profile["step_model"]["s_per_fresh_kv_token"]
+    assert cost.seconds_per_sampled_row == profile["step_model"]["s_per_sampled_row"]
     assert cost.shape.layers == engine.model.config.num_layers
     assert cost.step_fixed_s == pytest.approx(profile["step_model"]["step_fixed_s"])
     assert cost.kv_capacity_tokens == engine.kv_capacity_tokens

@@ -74,9 +74,19 @@ def test_a_measured_step_model_replaces_the_datasheet_coefficients(tmp_path):
     # 100 KV tokens written on pages never used cost their first write too
     assert cm.step_compute_time(100, 1, 5050, fresh_kv=100) == pytest.approx(
         0.2 + 0.001 + 5050 * 5e-7 + 100 * 4e-5)
+    assert cm.seconds_per_sampled_row == 0.0  # nor a row drawn at random priced apart
     # a profile from before shared reads were priced apart reads them at the plain rate
     assert cm.seconds_per_shared_kv_token == 1e-5
     assert cm.step_memory_time(500, shared=300) == pytest.approx(500 * 1e-5)
+
+
+def test_rows_drawn_at_random_cost_their_measured_time_on_top():
+    step = {"step_fixed_s": 0.05, "s_per_token": 0.002, "s_per_row": 0.001, "s_per_kv_token": 1e-5,
+            "s_per_sampled_row": 3e-4}
+    data = {"name": "measured:m@cpu", "flops": 1e11, "bandwidth_bytes_per_s": 4e9,
+            "step_model": step, "model_config": dict(MODEL_SHAPES["smollm2-135m"])}
+    cm = CostModel(ModelShape.from_hf_config(data["model_config"]), HardwareProfile.from_dict(data))
+    assert cm.step_compute_time(64, 64, sampled=16) == pytest.approx(64 * 0.003 + 16 * 3e-4)
 
 
 def test_reads_of_pages_another_decode_reads_cost_the_shared_rate(tmp_path):

@@ -465,6 +465,20 @@ def test_where_a_profile_prices_shared_reads_apart_nested_prefixes_count_page_by
     assert result.step_memory_s[1] == pytest.approx((reads - again) * 2e-6 + again * 5e-7)
 
 
+def test_the_share_of_requests_drawn_at_random_pays_the_sampling_time_of_their_rows() -> None:
+    trace = [make_entry(f"r{i}", tokens(i, 40), 6) for i in range(4)]
+    step = StepCoefficients(step_fixed_s=0.01, s_per_token=1e-4, s_per_row=0.0, s_per_pair=0.0,
+                            s_per_kv_token=1e-6, s_per_sampled_row=1e-3)
+    cost = CostModel(COST.shape, replace(COST.hardware.idealised(overlap=0.0), measured=step))
+
+    def compute(share: float) -> np.ndarray:
+        policy = make_policy("fcfs", [e.request for e in trace], kv_capacity_tokens=10**5)
+        return simulate(trace, policy, cost, SimConfig(10**5, sampled_share=share)).step_compute_s
+
+    # 6 steps of 4 rows: half of them drawn at random, 1 ms each
+    assert compute(0.5) - compute(0.0) == pytest.approx([2e-3] * 6)
+
+
 def test_cascade_groups_are_the_decodes_on_the_same_first_page_as_in_the_runtime() -> None:
     # Two system prompts behind a common 8-token header (a chat template's): the runtime groups
     # decodes by their first KV page, so each system prompt's pair reads its 72 shared tokens
@@ -531,3 +545,20 @@ def test_until_the_kv_pool_is_full_every_token_written_pays_a_first_write() -> N
     d = simulate(small, policy, warm, SimConfig(10**6))
     written = c.prefill_tokens + c.output_tokens - len(small)  # the prefill samples the first
     assert c.makespan_s - d.makespan_s == pytest.approx(written * 5e-5, rel=1e-9)
+
+
+def test_cli_sampled_share_costs_a_measured_profiles_sampling(tmp_path: Path, capsys) -> None:
+    write_trace(tmp_path / "t.jsonl", random_trace(30))
+    step = {"step_fixed_s": 0.01, "s_per_token": 1e-4, "s_per_kv_token": 1e-6,
+            "s_per_sampled_row": 1e-3}
+    profile = {"name": "measured", "flops": 1e12, "bandwidth_bytes_per_s": 1e11,
+               "kv_capacity_bytes": 131072 * 5000, "step_model": step}
+    (tmp_path / "hw.json").write_text(json.dumps(profile))
+    makespan = {}
+    for share in ("0", "1"):
+        assert main([str(tmp_path / "t.jsonl"), "--policy", "fcfs", "--hardware",
+                     str(tmp_path / "hw.json"), "--sampled-share", share, "--json"]) == 0
+        makespan[share] = json.loads(capsys.readouterr().out)["makespan_s"]
+    assert makespan["1"] > makespan["0"]
+    assert main([str(tmp_path / "t.jsonl"), "--policy", "fcfs", "--sampled-share", "2"]) == 2
+    assert "--sampled-share must be between 0 and 1" in capsys.readouterr().err

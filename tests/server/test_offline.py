@@ -215,3 +215,20 @@ def test_device_auto_is_the_cpu_without_a_gpu() -> None:
 
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu") == "cpu"
+
+
+def test_the_report_replays_each_of_n_choices_as_a_request_of_its_own() -> None:
+    from runtime.types import EngineRequest, SamplingParams
+    from server.plan_report import trace_entries
+    from tests.runtime.test_engine import make_engine, prompts, run
+
+    engine = make_engine(max_batch_tokens=512)
+    ps = prompts(2)
+    reqs = [EngineRequest("a", ps[0], SamplingParams(max_tokens=5, n=3, temperature=1.0, seed=2)),
+            EngineRequest("b", ps[1], SamplingParams(max_tokens=4, temperature=0))]
+    outs = run(engine, reqs)
+    entries = trace_entries(engine, [(r, outs[r.id]) for r in reqs])
+    assert [e.request.id for e in entries] == ["a", "a#1", "a#2", "b"]
+    assert [e.request.prompt_token_ids for e in entries] == [ps[0]] * 3 + [ps[1]]
+    assert [e.output_len for e in entries] == [
+        len(c.token_ids) for r in reqs for c in outs[r.id].choices]
