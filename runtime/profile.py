@@ -159,16 +159,16 @@ def large_step_shapes(capacity_tokens: int, size: float = 1.0) -> list[tuple[lis
     768 tokens, where the per-token, per-row and per-pair times are nearly collinear: one such
     fit put a step cap of 20 prompts 23% long (no time per pair at all), and the real steps of
     a 512-request chat run 20% long; the next measurement put the same run's decodes 12% short.
-    Without the long prompt's end, a pair cost what it does in prompts of 2,048 tokens, ~1.5x
-    what it does past 4,000 (the kernel's work per key row amortizes over more queries): a
-    batch of 3,000-6,000-word prompts came out 25% long, -0.5% with it."""
+    Without the long prompt's end the fit priced a pair from prompts of at most 2,048 tokens
+    (2.7e-7 s on a 2-core Xeon, 1.8e-7 with it), and a batch of 3,000-6,000-word prompts came
+    out 25% long (-0.5% with it)."""
     def n(x: int) -> int:
         return max(int(x * size), 1)
 
     shapes = [([1] * n(256), [64] * n(256)), ([1] * n(512), [64] * n(512)),
               ([1] * n(256), [256] * n(256)),
               ([64] * n(32), [64] * n(32)), ([n(2048)], [n(2048)]),
-              ([n(1024)], [n(6144)]),  # the end of a long prompt: 6x the pairs a token
+              ([n(1024)], [n(6144)]),  # a long prompt's end: ~5x the pairs a token of 2,048's
               ([1] * n(128) + [64] * n(16), [200] * n(128) + [64] * n(16))]
     return [(q, k) for q, k in shapes if sum(k) <= capacity_tokens // 2]
 
