@@ -1,8 +1,8 @@
 """`blendserve run` policy by policy on this machine, and the simulator's prediction of each run.
 
-For each workload of bench/cpu_workloads.py (chat, long_short, low_sharing) it runs, one after
-the other in this process's machine: `blend` with the default flags (what a user gets), then
-`fcfs` and `dfs` at each step cap of --caps (`--max-step-tokens`). Every run writes its plan
+For each workload of bench/cpu_workloads.py (chat, long_short, low_sharing, fewshot) it runs,
+one after the other in this process's machine: `blend` with the default flags (what a user
+gets), then `fcfs` and `dfs` at each step cap of --caps (`--max-step-tokens`). Every run writes its plan
 report (`--report`); the table shows the run's wall time (first request in to last result out,
 model load excluded), output tokens/s, cached prompt tokens and steps, blend against the best
 baseline, the simulator's prediction of each run from the measured device profile, and the
@@ -20,7 +20,7 @@ preemption's recompute rounds one differently) and
 `python -m scheduler.simulate TRACE --hardware PROFILE --policy P --max-step-tokens N --kv-tokens K`
 replays it.
 
-    python bench/cpu_policies.py                          # all three workloads (~30 min)
+    python bench/cpu_policies.py                          # all four workloads (~10 min here)
     python bench/cpu_policies.py --workloads chat --caps 2048
     python bench/cpu_policies.py --workloads chat --kv-memory 300000000   # KV-bound
     python bench/cpu_policies.py --workloads chat --scale 4 --caps 2048,8192  # 256 requests

@@ -1,6 +1,6 @@
 """Where could blend lose on this CPU? The CPU workloads at larger scales, in the simulator.
 
-bench/cpu_policies.py runs the three workloads of bench/cpu_workloads.py for real, one size each;
+bench/cpu_policies.py runs the workloads of bench/cpu_workloads.py for real, one size each;
 they fit in the KV cache at once, so every order that runs the fewest steps ties. This replays
 them at `--scales` times their request count (chat-templated prompt ids, as the engine sees
 them) through the simulator with this machine's measured device profile and its KV capacity,

@@ -6,6 +6,8 @@
   answers (8-16 tokens), mixed with 8 short prompts asking for long generations (256-384).
 - low_sharing: 48 requests with unrelated prompts of 100-800 tokens and no shared system
   prompt, max_tokens 256, greedy, ending where the model stops (lengths unknown to the planner).
+- fewshot: 96 short questions behind one ~1,400-token few-shot system prompt, max_tokens 8 or
+  32, greedy, ignore_eos: decodes that read a long shared prefix (the CPU finds it in cache).
 
     python bench/cpu_workloads.py --out bench/out/cpu
 """
@@ -63,8 +65,16 @@ def low_sharing(rng: random.Random, scale: int = 1) -> list[dict]:
     return out
 
 
+def fewshot(rng: random.Random, scale: int = 1) -> list[dict]:
+    shots = "Answer as in the examples.\n" + "\n".join(
+        f"Q: {_text(rng, 30)}\nA: {_text(rng, 20)}" for _ in range(25))
+    return [_line(i, [{"role": "system", "content": shots},
+                      {"role": "user", "content": _text(rng, rng.randint(5, 40))}],
+                  rng.choice((8, 32)), True) for i in range(96 * scale)]
+
+
 WORKLOADS: dict[str, Callable[[random.Random, int], list[dict]]] = {
-    "chat": chat, "long_short": long_short, "low_sharing": low_sharing}
+    "chat": chat, "long_short": long_short, "low_sharing": low_sharing, "fewshot": fewshot}
 
 
 def write(out_dir: Path, seed: int = 0, scale: int = 1) -> dict[str, Path]:
