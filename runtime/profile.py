@@ -141,8 +141,8 @@ def shared_step_shapes(capacity_tokens: int, scale: int = 1) -> list[tuple[list[
     """(q_lens, kv_lens, shared) of decode batches whose rows all start with the same `shared`
     tokens of pages (a system prompt, few-shot examples): a CPU's later rows find those pages
     in its caches (on a 2-core Xeon a 1,500-token prefix read by 96 rows cost half a plain read
-    a token, and a few-shot run came out 33% shorter than a per-row price said), up to
-    prefixes larger than a core's cache."""
+    a token, and a per-row price put a few-shot run 33% long), up to prefixes larger than a
+    core's cache."""
     shapes = [([1] * batch * scale, [(shared + own) * scale] * batch * scale, shared * scale)
               for batch, shared, own in ((16, 640, 64), (48, 1536, 48), (8, 2560, 128),
                                          (24, 4096, 32))]

@@ -5,10 +5,9 @@ SharedReads: the reads a decode makes of pages another decode of the step reads 
 each decode reads its own context (the CPU kernel): later rows find those pages in the CPU's
 caches, and a measured profile prices them apart (StepCoefficients.s_per_shared_kv_token).
 
-
-The CPU runtime's attention (runtime/attention/torch_backend.py) groups a step's decodes by
-their first KV page and attends the pages the whole group shares once, stacking the group's
-queries; each decode then reads only its own pages. A device profile that says so
+CascadeReads. The CPU runtime's gather path (runtime/attention/torch_backend.py) groups a
+step's decodes by their first KV page and attends the pages the whole group shares once,
+stacking the group's queries; each decode then reads only its own pages. A device profile that says so
 (`HardwareProfile.cascade`) makes the simulator count reads the same way. The runtime's groups
 are the decodes that start on the same page, so here they are the decodes through the same
 node at the first page's end (the first node of a path at least a page deep; prompts that
@@ -60,7 +59,7 @@ class CascadeReads:
             self._groups.pop(top, None)
         self._dirty = True
 
-    def saved_tokens(self) -> int:
+    def shared_tokens(self) -> int:
         """KV tokens this step's decodes do not read because a group member reads them."""
         if self._dirty:
             self._saved = sum(self._group_saving(top, n) for top, n in self._groups.items() if n > 1)
@@ -105,6 +104,6 @@ class SharedReads:
             if self._ref[node]:
                 self._shared -= self._tokens[node]
 
-    def saved_tokens(self) -> int:
+    def shared_tokens(self) -> int:
         """KV tokens this step's decodes read that another decode reads too."""
         return self._shared

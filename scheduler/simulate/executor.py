@@ -107,11 +107,11 @@ class _Run:
         self.cache = PrefixCache(tree)
         # decodes sharing a prefix read it once a step, where the device's attention cascades;
         # elsewhere the reads of pages another decode reads too may cost less (a CPU's caches)
-        self.cascade: CascadeReads | SharedReads | None = None
+        self.shared_kv: CascadeReads | SharedReads | None = None
         if cost.hardware.cascade:
-            self.cascade = CascadeReads(tree)
+            self.shared_kv = CascadeReads(tree)
         elif cost.seconds_per_shared_kv_token != cost.seconds_per_kv_token:
-            self.cascade = SharedReads(tree)
+            self.shared_kv = SharedReads(tree)
         self.g0 = [0] * self.n  # tokens generated when the current decode stint began
         self.base = [0] * self.n  # step of the current stint's first decode
         self.epoch = [0] * self.n  # bumps on preemption: stale heap entries are skipped
@@ -189,8 +189,8 @@ class _Run:
         self.n_dec -= 1
         self.ctx -= self.p[i] + g
         self.gen -= g - 1
-        if self.cascade is not None:
-            self.cascade.remove(path)
+        if self.shared_kv is not None:
+            self.shared_kv.remove(path)
         self.redo[i] = g  # the engine refeeds prompt + output, then samples the next token
         self.epoch[i] += 1
         self.waiting += self.p[i] + g
@@ -307,7 +307,7 @@ class _Run:
     def shared_reads(self) -> int:
         """KV reads of this step's decodes that another decode makes too (a shared prefix:
         read once per group where the attention cascades, from cache on a CPU)."""
-        return 0 if self.cascade is None else self.cascade.saved_tokens()
+        return 0 if self.shared_kv is None else self.shared_kv.shared_tokens()
 
     def start_decoding(self, starting: list[int]) -> None:
         """Requests whose (re)prefill completed this step sampled a token: decode or finish."""
@@ -317,8 +317,8 @@ class _Run:
             self.n_dec += 1
             self.ctx += self.p[i] + g  # its outputs' KV joined `gen` with the prefill
             self.g0[i], self.base[i] = g, self.t
-            if self.cascade is not None:
-                self.cascade.add(self.path[i] or [])
+            if self.shared_kv is not None:
+                self.shared_kv.add(self.path[i] or [])
             # decode steps t .. t + d − g − 1; a request done at its prefill "ends" at t − 1
             heapq.heappush(self.finish_heap, (self.t + self.d[i] - g - 1, i, self.epoch[i]))
             self.push_report(i, _next_report(g - 1) if g > 1 else 1)
@@ -350,8 +350,8 @@ class _Run:
             del self.running[i]
             path = self.path[i]
             assert path is not None
-            if self.cascade is not None:
-                self.cascade.remove(path)
+            if self.shared_kv is not None:
+                self.shared_kv.remove(path)
             self.cache.release(path, self.t)
             self.finished += 1
             self.policy.on_finish(self.ids[i], d)
