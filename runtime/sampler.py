@@ -122,9 +122,9 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
         tokens[rows] = _inverse_cdf(probs, [gens[i] for i in rows.tolist()])
     rest = (~plain).nonzero()[:, 0]
     xs = x if len(rest) == r else x[rest]  # the rows still to draw (a copy only if some are)
-    lse = xs.logsumexp(-1, keepdim=True) if len(rest) else None
+    lse = xs.logsumexp(-1, keepdim=True)
     for w in (w for w in TOP_WINDOWS if w < v):
-        if lse is None or not len(rest):
+        if not len(rest):
             break
         top_v, top_i = xs.topk(w, dim=-1)  # best first
         probs = (top_v - lse).exp()  # of the whole softmax
@@ -135,10 +135,7 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
             idx = _inverse_cdf(_nucleus(probs[rows], k[rows], p[rows]),
                                [gens[i] for i in rest[rows].tolist()])
             tokens[rest[rows]] = top_i[rows].gather(1, idx[:, None])[:, 0]
-        if not inside.all():
-            rest, xs, lse = rest[~inside], xs[~inside], lse[~inside]
-        else:
-            rest = rest[:0]
+        rest, xs, lse = rest[~inside], xs[~inside], lse[~inside]
     if len(rest):
         tokens[rest] = _inverse_cdf(_filter(xs, top_k[rest], top_p[rest]),
                                     [gens[i] for i in rest.tolist()])

@@ -132,8 +132,8 @@ def _simulate(engine: Engine, policy: str,
     pool = engine.pool  # the KV slots this run found never written, as the engine counted them
     fresh = ((pool.num_pages - pool.pages_ever_taken) * pool.page_size
              + sum(r.fresh_kv for r in engine.step_log))
-    sampled = sum(len(out.choices) for req, out in ok if req.params.temperature > 0)
-    share = sampled / max(len(entries), 1)
+    # the rows drawn at random, as the engine counted them
+    share = sum(r.sampled for r in engine.step_log) / max(sum(r.rows for r in engine.step_log), 1)
     return simulate(entries, pol, engine.cost_model, SimConfig(cap, step, fresh, share)).makespan_s
 
 

@@ -4,11 +4,12 @@ It steps the way the engine (runtime/engine.py) does. A request's prompt is pref
 (minus what the prefix cache serves), and the step that completes it samples the first output
 token; each later step decodes one more token, reading the request's whole context
 (p + tokens generated so far) from the KV cache. A step costs W + combine(compute, memory)
-(CostModel.step_time): compute counts the step's tokens, its sampled rows, its prefill
+(CostModel.step_time): compute counts the step's tokens, its sampled rows (the share drawn at
+a temperature, `SimConfig.sampled_share`, at a measured profile's extra price), its prefill
 attention pairs and, on a measured CPU profile, the first write of the KV it puts on pages the
 process never used (every token written until the pool is full, as the engine caches finished
-requests' KV; `SimConfig.fresh_kv_tokens`); memory counts the KV the decodes read and one read
-of the weights. A step holds at most `max_step_tokens`
+requests' KV; `SimConfig.fresh_kv_tokens`); memory counts the KV the decodes read (reads of
+pages another decode reads too at the shared price, cascade.py) and one read of the weights. A step holds at most `max_step_tokens`
 tokens, decodes first (they always run), as the engine's `max_batch_tokens`.
 
 KV memory holds the cached prompt segments (shared ones once, see PrefixCache), each running
@@ -294,7 +295,7 @@ class _Run:
 
     # ------------------------------------------------------------------ steps
     def record(self, tokens: int, rows: int, pairs: int, kv_read: float, prefill: int,
-               decoding: int, used: int, shared: int = 0) -> None:
+               decoding: int, used: int, shared: int) -> None:
         # The engine keeps a finished request's KV in its cache: until the pool is full every
         # token written lands on a page it never used (the first write costs more on a CPU)
         fresh = min(self.written + tokens, self.fresh) - min(self.written, self.fresh)
