@@ -4,10 +4,10 @@ The planner and the simulator cost a step as t = W + combine(compute, memory) (s
 cost_model.py). This module measures that model for one engine: it times the engine's own
 forward and sampling over a spread of step shapes (decode batches at short and long contexts,
 some on a prefix every row shares, prefill chunks fresh and over a cached prefix, a mixed step;
-then the same kinds as large as a real batch's, sized to the device) and fits, by non-negative
-least squares weighted by 1/sqrt(seconds) (between relative error, where a 0.1 s decode step
-counts as much as a 5 s prefill step, and absolute error, which predicts a run's total but not
-its small steps),
+then the same kinds as large as a real batch's, sized to the device, none on one too slow to
+time them within their budget) and fits, by non-negative least squares weighted by
+1/sqrt(seconds) (between relative error, where a 0.1 s decode step counts as much as a 5 s
+prefill step, and absolute error, which predicts a run's total but not its small steps),
 
     t = W + tokens·s_token + rows·s_row + pairs·s_pair + (kv − shared)·s_kv + shared·s_shared
 
@@ -70,11 +70,14 @@ LONG_STEP_S = 0.5  # a step shape whose warm-up took longer is timed once more, 
 CALIBRATION_BUDGET_S = 22.0
 CALIBRATION_SIZES = ((24, 96), (18, 96), (12, 96), (6, 96), (6, 48), (6, 24))
 # The large step shapes (large_step_shapes) at the largest of these sizes that the small shapes'
-# fit says are timed within LARGE_BUDGET_S.
+# fit says are timed within LARGE_BUDGET_S; none on a device too slow for the smallest (an
+# eighth of them is no larger than step_shapes' own: on a 2-core AVX2 VM in fp32 they took 8 s
+# of a 65 s profile and added no shape).
 LARGE_BUDGET_S = 14.0
-LARGE_SIZES = (1.0, 0.5, 0.25, 0.125)
-# The first write of a KV page (fresh_kv_seconds): prompts of this many tokens, as many as take
-# about FRESH_STEP_S, at most FRESH_PROMPTS (a 2-core Xeon: 8, ~1 s a step).
+LARGE_SIZES = (1.0, 0.5, 0.25)
+# The first write of a KV page (fresh_kv_seconds): prompts of this many tokens (fewer where one
+# takes over FRESH_STEP_S), as many as take about FRESH_STEP_S, at most FRESH_PROMPTS (a 2-core
+# Xeon: 8 of 512, ~1 s a step; a 2-core AVX2 VM in fp32: 1 of 304).
 FRESH_PROMPT = 512
 FRESH_PROMPTS = 8
 FRESH_STEP_S = 1.0
@@ -153,7 +156,7 @@ def large_step_shapes(capacity_tokens: int, size: float = 1.0) -> list[tuple[lis
     """Steps as large as a real batch's: hundreds of decodes, and a step cap's worth of prefill
     as many short prompts and as one long one (the same tokens, 30x the attention pairs), the
     last 1,024 tokens of a 6,144-token prompt, and a mixed step. `size` scales them down on a
-    slow device (large_size).
+    slow device (large_size); none at size 0.
 
     Without them the fit extrapolates from decodes of at most 128 rows and prompts of at most
     768 tokens, where the per-token, per-row and per-pair times are nearly collinear: one such
@@ -165,6 +168,8 @@ def large_step_shapes(capacity_tokens: int, size: float = 1.0) -> list[tuple[lis
     def n(x: int) -> int:
         return max(int(x * size), 1)
 
+    if size <= 0:
+        return []
     shapes = [([1] * n(256), [64] * n(256)), ([1] * n(512), [64] * n(512)),
               ([1] * n(256), [256] * n(256)),
               ([64] * n(32), [64] * n(32)), ([n(2048)], [n(2048)]),
@@ -175,12 +180,12 @@ def large_step_shapes(capacity_tokens: int, size: float = 1.0) -> list[tuple[lis
 
 def large_size(coef: dict[str, float], capacity_tokens: int) -> float:
     """The largest of LARGE_SIZES whose shapes a fit says are timed within LARGE_BUDGET_S
-    (each runs twice: a warm-up and a timing)."""
+    (each runs twice: a warm-up and a timing); 0 where none is."""
     for size in LARGE_SIZES:
         shapes = large_step_shapes(capacity_tokens, size)
         if sum(2 * predict(coef, Sample.of(q, k, 0.0)) for q, k in shapes) <= LARGE_BUDGET_S:
             return size
-    return LARGE_SIZES[-1]
+    return 0.0
 
 
 def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int = 2,
@@ -227,17 +232,19 @@ def _forward_times(engine: Engine, q_lens: list[int], kv_lens: list[int], pages:
 
 def fresh_kv_seconds(engine: Engine, s_per_token: float) -> float:
     """What a KV token's first write on a page never used adds to a step (the OS backs the
-    page then; kv_cache._zeros): prefill steps of prompts of FRESH_PROMPT tokens (as many as
-    take about FRESH_STEP_S, at most FRESH_PROMPTS) on never-taken pages, then twice on the
-    same pages; the difference per KV token, 0 at least, the smaller of FRESH_TRIES such (one
-    took 55-70 µs a token on a 2-core Xeon, and whole runs paid 30-60: a one-off slow first
-    step counts against it). 0 on a GPU (its pool is allocated up front) and where the pool has
-    too few fresh pages left."""
+    page then; kv_cache._zeros): prefill steps of prompts of FRESH_PROMPT tokens, or of the whole
+    pages that take about FRESH_STEP_S where those are fewer (as many prompts as take about
+    FRESH_STEP_S, at most FRESH_PROMPTS), on never-taken pages, then twice on the same pages;
+    the difference per KV token, 0 at least, the smaller of FRESH_TRIES such (one took 55-70 µs
+    a token on a 2-core Xeon, and whole runs paid 30-60: a one-off slow first step counts
+    against it). 0 on a GPU (its pool is allocated up front) and where the pool has too few
+    fresh pages left."""
     if engine.model.device.type != "cpu":
         return 0.0
-    n = int(min(max(FRESH_STEP_S / (FRESH_PROMPT * s_per_token), 1), FRESH_PROMPTS))
-    q = [min(FRESH_PROMPT, engine.max_model_len)] * n
     ps = engine.pool.page_size
+    whole = max(int(FRESH_STEP_S / s_per_token) // ps, 1)
+    prompt = min(FRESH_PROMPT, engine.max_model_len, whole * ps)
+    q = [prompt] * int(min(max(FRESH_STEP_S / (prompt * s_per_token), 1), FRESH_PROMPTS))
     costs = []
     for _ in range(FRESH_TRIES):
         pages = engine.pool.alloc_fresh(sum(-(-k // ps) for k in q))
@@ -463,7 +470,7 @@ def covers(profile: dict[str, Any], engine: Engine) -> bool:
             and profile.get("linear") == linear_kind(engine)
             and fit.get("shapes", 0) >= len(_shapes(engine)) + len(
                 shared_step_shapes(engine.kv_capacity_tokens, _scale(engine))) + len(
-                large_step_shapes(engine.kv_capacity_tokens))
+                large_step_shapes(engine.kv_capacity_tokens, fit.get("large_shapes_size", 1.0)))
             and fit.get("longest_prompt", 0) >= _longest_prompt(engine)
             and fit.get("step_tokens", 0) >= min(engine.config.max_batch_tokens, FULL_STEP_TOKENS))
 

@@ -10,6 +10,7 @@ from runtime.profile import (
     CALIBRATION_BUDGET_S,
     CALIBRATION_SIZES,
     FEATURES,
+    FRESH_TRIES,
     LARGE_BUDGET_S,
     LARGE_SIZES,
     Sample,
@@ -103,13 +104,16 @@ def test_a_slow_device_runs_a_smaller_calibration_within_the_budget() -> None:
     assert max(r.params.max_tokens for r in reqs) == longest
 
 
-def test_a_slow_device_times_smaller_large_shapes_within_their_budget() -> None:
+def test_a_slower_device_times_smaller_large_shapes_within_their_budget() -> None:
     assert large_size(FAST, 10**6) == LARGE_SIZES[0]
-    size = large_size(SLOW, 10**6)
-    assert size < LARGE_SIZES[0]
+    middling = {k: 3 * v for k, v in FAST.items()}
+    size = large_size(middling, 10**6)
+    assert 0 < size < LARGE_SIZES[0]
     shapes = large_step_shapes(10**6, size)
     assert len(shapes) == len(large_step_shapes(10**6))
-    assert sum(2 * predict(SLOW, Sample.of(q, k, 0.0)) for q, k in shapes) <= LARGE_BUDGET_S
+    assert sum(2 * predict(middling, Sample.of(q, k, 0.0)) for q, k in shapes) <= LARGE_BUDGET_S
+    # too slow for the smallest: none, and a profile without them still covers its engine
+    assert large_size(SLOW, 10**6) == 0.0 and large_step_shapes(10**6, 0.0) == []
 
 
 def test_the_large_shapes_hold_hundreds_of_decodes_and_a_prompt_as_long_as_many_short_ones(
@@ -226,3 +230,12 @@ def test_the_first_write_of_a_kv_page_is_timed_on_pages_never_taken() -> None:
     assert taken > 0 and pool.num_free == pool.num_pages  # its pages went back
     rest = pool.alloc_fresh(pool.num_pages - taken)  # none left: nothing to time it on
     assert rest is not None and fresh_kv_seconds(engine, 1e-3) == 0.0
+
+
+def test_a_slow_device_times_the_first_write_on_shorter_prompts() -> None:
+    fast, slow = make_engine(pages=4096), make_engine(pages=4096)
+    fresh_kv_seconds(fast, 1e-3)  # a 512-token prompt takes half of FRESH_STEP_S
+    fresh_kv_seconds(slow, 5e-3)  # one of 512 would take 2.5 s: 200 tokens
+    ps = fast.pool.page_size
+    assert fast.pool.pages_ever_taken == FRESH_TRIES * 512 // ps
+    assert slow.pool.pages_ever_taken == FRESH_TRIES * 200 // ps
