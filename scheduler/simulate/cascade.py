@@ -7,8 +7,8 @@ caches, and a measured profile prices them apart (StepCoefficients.s_per_shared_
 
 CascadeReads. The CPU runtime's gather path (runtime/attention/torch_backend.py) groups a
 step's decodes by their first KV page and attends the pages the whole group shares once,
-stacking the group's queries; each decode then reads only its own pages. A device profile that says so
-(`HardwareProfile.cascade`) makes the simulator count reads the same way. The runtime's groups
+stacking the group's queries; each decode then reads only its own pages. A device profile that
+says so (`HardwareProfile.cascade`) makes the simulator count reads the same way. The runtime's groups
 are the decodes that start on the same page, so here they are the decodes through the same
 node at the first page's end (the first node of a path at least a page deep; prompts that
 share a system prompt after a common chat-template header of a few tokens are not one group).

@@ -9,8 +9,9 @@ a temperature, `SimConfig.sampled_share`, at a measured profile's extra price), 
 attention pairs and, on a measured CPU profile, the first write of the KV it puts on pages the
 process never used (every token written until the pool is full, as the engine caches finished
 requests' KV; `SimConfig.fresh_kv_tokens`); memory counts the KV the decodes read (reads of
-pages another decode reads too at the shared price, cascade.py) and one read of the weights. A step holds at most `max_step_tokens`
-tokens, decodes first (they always run), as the engine's `max_batch_tokens`.
+pages another decode reads too at the shared price, cascade.py) and one read of the weights.
+A step holds at most `max_step_tokens` tokens, decodes first (they always run), as the
+engine's `max_batch_tokens`.
 
 KV memory holds the cached prompt segments (shared ones once, see PrefixCache), each running
 request's generated tokens, and the partial chunk of the request being prefilled. Decode growth
