@@ -25,13 +25,16 @@ Xeon the simulator's predictions of bench/cpu_policies.py's 21 runs went from -1
 to -1.0 … +7.0%, and of a batch of 96 long prompts with short outputs from -10.1% to -0.5 …
 -7.3%. The JSON it writes is what
 `HardwareProfile.from_json` reads; profiles are cached under DATA_DIR/profiles/ keyed by model,
-device, dtype, threads and attention path (`cached_profile_path`).
+device, dtype, threads and attention path (`cached_profile_path`). A cached profile is checked
+each time it is loaded: two of its step shapes timed again (`drift`, under a second on a 2-core
+CPU), and its times scaled by how much slower or faster the host has become since, past 8%.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -47,11 +50,13 @@ from runtime.host_load import LoadMeter, load_fields
 from runtime.sampler import Sampler, SamplingState, greedy_tokens
 from runtime.types import EngineRequest, SamplingParams, StepRecord
 
+log = logging.getLogger("blendserve.profile")
+
 if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 11  # 2: real steps of a representative run in the fit; 3: attention kind;
+PROFILE_VERSION = 12  # 2: real steps of a representative run in the fit; 3: attention kind;
 # 4: what the measurement covered (a small engine's profile no longer serves a full one);
 # 5: the fit weighted by 1/sqrt(seconds), the representative run sized to the device;
 # 6: the device's default step cap (the simulator's, for this profile); 7: large step shapes;
@@ -59,7 +64,7 @@ PROFILE_VERSION = 11  # 2: real steps of a representative run in the fit; 3: att
 # 9: the CPU kernel no longer cascades: decodes read (and the steps count) a shared prefix per row
 # 10: s_per_fresh_kv_token, a KV token's first write on a page never used
 # 11: s_per_shared_kv_token, decodes' reads of pages another decode of the step reads too;
-# s_per_sampled_row, a row drawn at a temperature > 0
+# s_per_sampled_row, a row drawn at a temperature > 0; 12: check_seconds (drift)
 FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token",
             "s_per_shared_kv_token")
@@ -84,6 +89,16 @@ FRESH_STEP_S = 1.0
 FRESH_TRIES = 2
 SAMPLED_ROWS = 64  # sampled_row_seconds: a decode step's rows, drawn SAMPLED_TRIES times
 SAMPLED_TRIES = 5
+# The drift check (check_seconds): a decode batch and a mixed step, timed first thing when the
+# profile is measured and again whenever it is loaded from the cache, as many times as take
+# DRIFT_SECONDS (2 to DRIFT_PASSES); a host that has slowed or sped up by more than
+# DRIFT_TOLERANCE since gets every time of the profile scaled by the ratio (a 2-core EPYC VM
+# slowed by ~20% in two hours, and a profile measured at the start under-predicted the runs by
+# 15-23%). On a steady 2-core Zen 4 VM ten checks in a row read 0.94-1.05 of the profile's.
+DRIFT_SHAPES = (([1] * 32, [256] * 32), ([1] * 16 + [256], [256] * 17))
+DRIFT_SECONDS = 0.6
+DRIFT_PASSES = 8
+DRIFT_TOLERANCE = 0.08
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +306,49 @@ def sampled_row_seconds(engine: Engine, rows: int = SAMPLED_ROWS) -> float:
     return max(sampled - greedy, 0.0) / rows
 
 
+def check_seconds(engine: Engine) -> float | None:
+    """Seconds of one pass over the drift check's shapes (those the engine's pool holds): each
+    shape's fastest of the timings after a warm-up that take DRIFT_SECONDS between them (2 to
+    DRIFT_PASSES). The fastest, not the mean: a process's first steps and a neighbour's burst
+    came out 60% slow on a 2-core VM, one time in five, where the fastest of two was within 4%.
+    None when the pool holds none of them."""
+    shapes = [(q, k) for q, k in DRIFT_SHAPES if sum(k) <= engine.kv_capacity_tokens // 2]
+    if not shapes:
+        return None
+    budget = DRIFT_SECONDS / len(shapes)
+    ps, total = engine.pool.page_size, 0.0
+    for q, k in shapes:
+        pages = engine.pool.alloc(sum(-(-n // ps) for n in k))
+        try:
+            times = _forward_times(engine, q, k, pages, lambda t: len(t) > DRIFT_PASSES or (
+                len(t) > 2 and sum(t[1:]) >= budget))
+        finally:
+            engine.pool.free(pages)
+        total += min(times[1:])
+    return total
+
+
+def drift(engine: Engine, profile: dict[str, Any]) -> float:
+    """How much slower (> 1) or faster (< 1) this device runs the drift check's shapes now than
+    when `profile` was measured; 1.0 where the profile or the pool has no check."""
+    then = profile.get("fit", {}).get("check_seconds")
+    now = check_seconds(engine) if then else None
+    return now / then if now and then else 1.0
+
+
+def rescaled(profile: dict[str, Any], ratio: float) -> dict[str, Any]:
+    """`profile` with every time of its step model (and its check) multiplied by `ratio`, and
+    `drift` saying by how much it now differs from its measurement and when it was checked."""
+    fit_ = profile["fit"]
+    total = profile.get("drift", {}).get("ratio", 1.0) * ratio
+    return {**profile, "step_model": {k: v * ratio for k, v in profile["step_model"].items()},
+            "flops": profile["flops"] / ratio,
+            "bandwidth_bytes_per_s": profile["bandwidth_bytes_per_s"] / ratio,
+            "fit": {**fit_, "check_seconds": fit_["check_seconds"] * ratio},
+            "drift": {"ratio": total,
+                      "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+
+
 def fit(samples: Sequence[Sample]) -> tuple[dict[str, float], float]:
     """Non-negative least squares of the step model (weights 1/sqrt(seconds)), refitted once without
     the samples it misses by more than half (a timing disturbed by other load); returns the
@@ -391,6 +449,7 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
     device, ps = engine.model.device, engine.pool.page_size
     # Timings taken while other processes share the cores come out slow: say how much.
     with LoadMeter() as meter:
+        check = check_seconds(engine)  # first, as a cached profile's load times it again
         shapes = [Sample.of(q, k, time_step(engine, q, k, reps)) for q, k in _shapes(engine)]
         shapes += [Sample.of(q, k, time_step(engine, q, k, reps, shared=n), n // ps * ps)
                    for q, k, n in shared_step_shapes(engine.kv_capacity_tokens, _scale(engine))]
@@ -442,6 +501,7 @@ def measure(engine: Engine, *, reps: int = 2) -> dict[str, Any]:
                 "calibration_steps": len(steps),
                 "calibration_mean_abs_rel_error": run_error,
                 "calibration_total_error": run_total,
+                "check_seconds": check,
                 **load_fields(meter.load)},
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": time.perf_counter() - started,
@@ -538,13 +598,20 @@ def cost_model_from_profile(profile: dict[str, Any]) -> CostModel:
 
 def load_or_measure(engine: Engine, data_dir: Path) -> tuple[dict[str, Any], Path, bool]:
     """The cached profile of this engine's model, device, dtype and threads, or a fresh one
-    (measured now and cached); returns (profile, path, measured_now)."""
+    (measured now and cached); returns (profile, path, measured_now). A cached one on a host
+    that has drifted since (drift) is rescaled, and cached so, first."""
     path = cached_profile_path(data_dir, engine)
     try:
         profile = json.loads(path.read_text())
         if (profile.get("version") == PROFILE_VERSION and profile.get("model") == engine.model_name
                 and covers(profile, engine)):
             cost_model_from_profile(profile)  # still readable
+            ratio = drift(engine, profile)
+            if abs(ratio - 1.0) > DRIFT_TOLERANCE:
+                log.info("this device runs %.1f%% %s than its profile %s says: rescaled",
+                         abs(ratio - 1.0) * 100, "slower" if ratio > 1 else "faster", path)
+                profile = rescaled(profile, ratio)
+                write_profile(path, profile)
             return profile, path, False
     except (OSError, ValueError, KeyError, TypeError):
         pass  # missing or unreadable: measure again

@@ -9,6 +9,7 @@ import pytest
 from runtime.profile import (
     CALIBRATION_BUDGET_S,
     CALIBRATION_SIZES,
+    DRIFT_TOLERANCE,
     FEATURES,
     FRESH_TRIES,
     LARGE_BUDGET_S,
@@ -18,8 +19,10 @@ from runtime.profile import (
     calibration_requests,
     calibration_seconds,
     calibration_size,
+    check_seconds,
     cost_model_from_profile,
     covers,
+    drift,
     fit,
     fresh_kv_seconds,
     large_size,
@@ -28,6 +31,7 @@ from runtime.profile import (
     load_or_measure,
     measure,
     predict,
+    rescaled,
     shared_step_shapes,
     step_shapes,
     write_profile,
@@ -166,7 +170,47 @@ def test_the_profile_is_measured_once_and_cached_by_model_device_dtype_threads(
     assert fresh and path == cached_profile_path(tmp_path, engine) and path.is_file()
     assert path.name.startswith("tiny-cpu-float32-t")
     again, path2, fresh2 = load_or_measure(engine, tmp_path)
-    assert not fresh2 and path2 == path and again == first
+    assert not fresh2 and path2 == path and same_measurement(again, first)
+
+
+def same_measurement(a: dict, b: dict) -> bool:
+    """The same measurement, loaded again: its times may be rescaled by the drift check."""
+    return a["measured_at"] == b["measured_at"] and a["fit"]["shapes"] == b["fit"]["shapes"]
+
+
+def test_a_cached_profile_on_a_host_slower_since_is_rescaled_not_measured_again(
+        tmp_path: Path) -> None:
+    engine = make_engine(pages=4096, max_batch_tokens=512)
+    first, path, _ = load_or_measure(engine, tmp_path)
+    then = first["fit"]["check_seconds"]
+    assert then and then > 0
+    # As if measured when the host ran the check in half the time it takes now.
+    write_profile(path, {**first, "fit": {**first["fit"], "check_seconds": then / 2}})
+    again, _, fresh = load_or_measure(engine, tmp_path)
+    ratio = again["drift"]["ratio"]
+    assert not fresh and again["measured_at"] == first["measured_at"]
+    assert 1.0 + DRIFT_TOLERANCE < ratio < 5.0
+    for name, value in first["step_model"].items():
+        assert again["step_model"][name] == pytest.approx(value * ratio)
+    assert cached_profile_path(tmp_path, engine).read_text().count('"drift"') == 1
+
+
+def test_rescaling_scales_every_time_and_keeps_the_total_drift() -> None:
+    profile = {"step_model": {"step_fixed_s": 0.01, "s_per_token": 1e-3}, "flops": 1e12,
+               "bandwidth_bytes_per_s": 1e10, "fit": {"check_seconds": 0.2}}
+    once = rescaled(profile, 1.25)
+    assert once["step_model"] == pytest.approx({"step_fixed_s": 0.0125, "s_per_token": 1.25e-3})
+    assert once["flops"] == pytest.approx(0.8e12) and once["fit"]["check_seconds"] == 0.25
+    twice = rescaled(once, 0.8)
+    assert twice["drift"]["ratio"] == pytest.approx(1.0)
+    assert twice["step_model"] == pytest.approx(profile["step_model"])
+
+
+def test_an_engine_too_small_for_the_drift_check_skips_it() -> None:
+    small = make_engine(pages=64, max_batch_tokens=64)
+    assert check_seconds(small) is None
+    assert drift(small, {"fit": {"check_seconds": 0.1}, "step_model": TRUE}) == 1.0
+    assert drift(small, {"fit": {}, "step_model": TRUE}) == 1.0
 
 
 def test_a_profile_measured_on_plain_gemm_weights_does_not_serve_packed_ones(
@@ -193,7 +237,7 @@ def test_a_small_engines_cached_profile_does_not_stand_in_for_a_full_one(tmp_pat
     second, path2, fresh2 = load_or_measure(full, tmp_path)
     assert fresh2 and path2 == path and second["fit"]["shapes"] > first["fit"]["shapes"]
     again, _, fresh3 = load_or_measure(small, tmp_path)
-    assert not fresh3 and again == second
+    assert not fresh3 and same_measurement(again, second)
 
 
 def test_every_step_cap_prefills_the_same_tokens_in_steps_within_the_cap() -> None:
