@@ -219,6 +219,7 @@ class Engine:
         # runs compute and memory one after the other (which this runtime does everywhere).
         self.cost_model = cost_model or unmeasured_cost_model(mc, self.dtype)
         self.profile_path: str | None = None  # where the measured profile came from
+        self.profile_checked_at = 0.0  # time.monotonic() of its load or last drift check
         self.last_policy: AdmissionPolicy | None = None  # the policy of the latest generate()
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
 
 log = logging.getLogger("blendserve.engine")
+# A worker's engine lives for hours: before a run this long after the profile's last check, its
+# drift is checked again (recheck_profile).
+PROFILE_RECHECK_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,4 +91,16 @@ def attach_profile(engine: Engine, settings: Settings) -> dict[str, Any] | None:
         profile = json.loads(path.read_text())
     engine.cost_model = cost_model_from_profile(profile)
     engine.profile_path = str(path)
+    engine.profile_checked_at = time.monotonic()
     return profile
+
+
+def recheck_profile(engine: Engine, settings: Settings) -> None:
+    """Before a run on an engine whose cached profile was last checked PROFILE_RECHECK_S ago or
+    more: load it again, drift check included (runtime/profile.py), so that a worker up for
+    hours plans and predicts each run at the host's speed now. Nothing for a named profile
+    file or none."""
+    if settings.profile != "auto" or engine.profile_path is None:
+        return
+    if time.monotonic() - engine.profile_checked_at >= PROFILE_RECHECK_S:
+        attach_profile(engine, settings)

@@ -26,6 +26,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 from server import journal, shards
+from server.engine_setup import recheck_profile
 from server.jobs import (
     INTERNAL_ERROR,
     JobContext,
@@ -141,6 +142,7 @@ class SharedRun:
         self.join(batch_id)
         if self.held:
             engine = self.ctx.engine()
+            recheck_profile(engine, self.ctx.settings)
             self._engine = engine
             self._next_claim = time.monotonic() + self.ctx.settings.worker_poll_seconds
             for output in engine.serve(self, policy=self.ctx.policy):
