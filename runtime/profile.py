@@ -330,10 +330,16 @@ def check_seconds(engine: Engine) -> float | None:
 
 def drift(engine: Engine, profile: dict[str, Any]) -> float:
     """How much slower (> 1) or faster (< 1) this device runs the drift check's shapes now than
-    when `profile` was measured; 1.0 where the profile or the pool has no check."""
+    when `profile` was measured; 1.0 where the profile or the pool has no check, and where other
+    processes shared the cores meanwhile (the check then times them, not the host)."""
     then = profile.get("fit", {}).get("check_seconds")
-    now = check_seconds(engine) if then else None
-    return now / then if now and then else 1.0
+    if not then:
+        return 1.0
+    with LoadMeter() as meter:
+        now = check_seconds(engine)
+    if now is None or (meter.load is not None and meter.load.disturbed):
+        return 1.0
+    return now / then
 
 
 def rescaled(profile: dict[str, Any], ratio: float) -> dict[str, Any]:

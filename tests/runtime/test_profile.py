@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -204,6 +207,20 @@ def test_rescaling_scales_every_time_and_keeps_the_total_drift() -> None:
     twice = rescaled(once, 0.8)
     assert twice["drift"]["ratio"] == pytest.approx(1.0)
     assert twice["step_model"] == pytest.approx(profile["step_model"])
+
+
+def test_a_drift_check_beside_a_busy_process_changes_nothing(tmp_path: Path) -> None:
+    """Timed while another process takes a core, the check would say the host slowed down."""
+    engine = make_engine(pages=4096, max_batch_tokens=512)
+    profile, _, _ = load_or_measure(engine, tmp_path)
+    slow = {**profile, "fit": {**profile["fit"], "check_seconds": 1e-9}}  # a ratio in millions
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        assert drift(engine, slow) == 1.0
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def test_an_engine_too_small_for_the_drift_check_skips_it() -> None:
