@@ -7,7 +7,7 @@ between them measures ordering. `blend` lives in `dual_scan/`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
 
 POLICY_NAMES = ("fcfs", "dfs", "balance", "blend")
 DEFAULT_PRIOR_OUTPUT_LEN = 256  # output-length guess before any request has finished
+PREFIX_CHUNK = 16  # tokens: the grain at which the baselines count a prompt prefix held once
 
 
 class OutputLenGuess:
@@ -45,12 +46,61 @@ def kv_need_tokens(prompt_len: int, output_len: float) -> float:
     return prompt_len + output_len / 2.0
 
 
+class HeldPrefixes:
+    """The prompts of running requests as chains of PREFIX_CHUNK-token chunks, each chunk a hash
+    of everything before it: the prefix of a new prompt that the KV already holds (the engine's
+    prefix cache computes and keeps a shared prefix once), and how many chunk tokens a request
+    adds or, finishing, frees."""
+
+    def __init__(self) -> None:
+        self._count: dict[int, int] = {}
+        self._chains: dict[str, list[int]] = {}
+
+    @staticmethod
+    def chain(tokens: Sequence[int]) -> list[int]:
+        keys, h = [], 0
+        for end in range(PREFIX_CHUNK, len(tokens) + 1, PREFIX_CHUNK):
+            h = hash((h, tuple(tokens[end - PREFIX_CHUNK:end])))
+            keys.append(h)
+        return keys
+
+    def add(self, request_id: str, chain: list[int]) -> int:
+        """Hold `chain` for a request; returns the tokens of the chunks no one held before."""
+        new = 0
+        for k in chain:
+            n = self._count.get(k, 0)
+            new += n == 0
+            self._count[k] = n + 1
+        self._chains[request_id] = chain
+        return new * PREFIX_CHUNK
+
+    def shared(self, chain: list[int]) -> int:
+        """Tokens of `chain` that running requests hold."""
+        n = 0
+        while n < len(chain) and chain[n] in self._count:
+            n += 1
+        return n * PREFIX_CHUNK
+
+    def remove(self, request_id: str) -> int:
+        """Let a finished request's chunks go; returns the tokens of those no one holds now."""
+        freed = 0
+        for k in self._chains.pop(request_id, []):
+            n = self._count[k] - 1
+            if n:
+                self._count[k] = n
+            else:
+                del self._count[k]
+                freed += 1
+        return freed * PREFIX_CHUNK
+
+
 class OrderedPolicy:
     """Admits requests in the given order while their estimated KV fits; never paces prefill.
 
-    The estimate is its own bookkeeping (Σ (p + d̂/2) over running requests ≤ capacity), checked
-    against the executor's free KV for the prompt itself. When nothing runs it admits one request
-    anyway, so a request larger than the estimate can never deadlock the batch.
+    The estimate is its own bookkeeping (Σ (p + d̂/2) over running requests ≤ capacity, a prompt
+    prefix that several of them share counted once, as the engine's prefix cache holds it),
+    checked against the executor's free KV for the prompt itself. When nothing runs it admits one
+    request anyway, so a request larger than the estimate can never deadlock the batch.
     """
 
     def __init__(self, ordered: Iterable[PlanRequest], *, name: str) -> None:
@@ -61,6 +111,7 @@ class OrderedPolicy:
         self._reserved: dict[str, float] = {}
         self._groups: dict[str, str] = {}  # running request -> its length group, when it has one
         self._reserved_total = 0.0
+        self._held = HeldPrefixes()
         self._guess = OutputLenGuess()
         self._advance()
 
@@ -76,20 +127,24 @@ class OrderedPolicy:
         free_now = budget.free_kv_tokens - budget.waiting_prefill_tokens
         while self._next is not None:
             req = self._next
-            need = kv_need_tokens(req.prompt_len, self._guess.guess(req))
+            chain = self._held.chain(req.prompt_token_ids)
+            # Its own tokens (what its chunks do not cover) and the chunks no one holds yet.
+            own = kv_need_tokens(req.prompt_len - len(chain) * PREFIX_CHUNK, self._guess.guess(req))
+            new = len(chain) * PREFIX_CHUNK - self._held.shared(chain)
             idle = budget.running == 0 and not out and not self._reserved
             fits = (
-                self._reserved_total + need <= budget.kv_capacity_tokens
-                and req.prompt_len <= free_now
+                self._reserved_total + own + new <= budget.kv_capacity_tokens
+                and req.prompt_len - (len(chain) * PREFIX_CHUNK - new) <= free_now
             )
             if not (fits or idle):
                 break
             out.append(req)
-            free_now -= req.prompt_len
-            self._reserved[req.id] = need
+            added = self._held.add(req.id, chain)
+            free_now -= req.prompt_len - (len(chain) * PREFIX_CHUNK - new)
+            self._reserved[req.id] = own
             if req.length_group is not None:
                 self._groups[req.id] = req.length_group
-            self._reserved_total += need
+            self._reserved_total += own + added
             self._advance()
         return out
 
@@ -100,7 +155,7 @@ class OrderedPolicy:
         self._guess.observe(output_len, self._groups.pop(request_id, None))
         need = self._reserved.pop(request_id, None)
         if need is not None:
-            self._reserved_total -= need
+            self._reserved_total -= need + self._held.remove(request_id)
         if not self._reserved:
             self._reserved_total = 0.0  # drop float drift
 

@@ -55,6 +55,31 @@ def test_fcfs_keeps_file_order_and_stops_when_kv_is_full():
     assert policy.prefill_budget(make_budget(600)) is None
 
 
+@pytest.mark.parametrize("name", ["fcfs", "dfs"])
+def test_the_baselines_count_a_prompt_prefix_their_running_requests_share_once(name):
+    """96 few-shot prompts on one 1,280-token prefix, 32 tokens each of their own and 8 out: the
+    engine's prefix cache holds the prefix once, so all of them fit 6,000 tokens of KV (counted
+    a prompt each, 4)."""
+    shared = [7] * 1280
+    reqs = [make_request(1312, 8, prefix=shared) for _ in range(96)]
+    policy = make_policy(name, reqs, kv_capacity_tokens=6000)
+    got = policy.admit(make_budget(6000))
+    assert len(got) == 96
+
+
+def test_a_shared_prefix_stays_counted_until_the_last_request_holding_it_finishes():
+    shared = [7] * 1280
+    few = [make_request(1312, 8, prefix=shared) for _ in range(4)]
+    big = make_request(4700, 8)  # fits beside one few-shot request's own tokens, not its prefix
+    policy = make_policy("fcfs", few + [big], kv_capacity_tokens=6000)
+    assert policy.admit(make_budget(6000)) == few
+    for r in few[:3]:
+        policy.on_finish(r.id, 8)
+    assert policy.admit(make_budget(6000, running=1)) == []  # 1,280 + 36 + 4,704 > 6,000
+    policy.on_finish(few[3].id, 8)
+    assert policy.admit(make_budget(6000)) == [big]
+
+
 def test_fcfs_admits_one_oversized_request_when_idle():
     policy = make_policy("fcfs", [make_request(5000, 10)], kv_capacity_tokens=100)
     assert len(policy.admit(make_budget(100))) == 1
