@@ -313,9 +313,9 @@ def sampled_row_seconds(engine: Engine, rows: int = SAMPLED_ROWS) -> float:
 def check_seconds(engine: Engine) -> float | None:
     """Seconds of one pass over the drift check's shapes (those the engine's pool holds): each
     shape's fastest of the timings after a warm-up that take DRIFT_SECONDS between them (2 to
-    DRIFT_PASSES). The fastest, not the mean: a process's first steps and a neighbour's burst
-    came out 60% slow on a 2-core VM, one time in five, where the fastest of two was within 4%.
-    None when the pool holds none of them."""
+    DRIFT_PASSES). The fastest, not the mean: ten checks in a row on a 2-core VM read 0.94-1.05
+    of the profile's so, where the mean of two read 0.97-1.04 and twice 1.58 (a process's first
+    steps, a neighbour's burst). None when the pool holds none of them."""
     shapes = [(q, k) for q, k in DRIFT_SHAPES if sum(k) <= engine.kv_capacity_tokens // 2]
     if not shapes:
         return None

@@ -49,8 +49,9 @@ def kv_need_tokens(prompt_len: int, output_len: float) -> float:
 class HeldPrefixes:
     """The prompts of running requests as chains of PREFIX_CHUNK-token chunks, each chunk a hash
     of everything before it: the prefix of a new prompt that the KV already holds (the engine's
-    prefix cache computes and keeps a shared prefix once), and how many chunk tokens a request
-    adds or, finishing, frees."""
+    prefix cache computes and keeps a shared prefix once), and how many chunk tokens a finishing
+    request frees. A chunk is held by the chain of everything before it, so the chunks a prompt
+    finds held are a prefix of its chain."""
 
     def __init__(self) -> None:
         self._count: dict[int, int] = {}
@@ -64,15 +65,11 @@ class HeldPrefixes:
             keys.append(h)
         return keys
 
-    def add(self, request_id: str, chain: list[int]) -> int:
-        """Hold `chain` for a request; returns the tokens of the chunks no one held before."""
-        new = 0
+    def add(self, request_id: str, chain: list[int]) -> None:
+        """Hold `chain` for a running request."""
         for k in chain:
-            n = self._count.get(k, 0)
-            new += n == 0
-            self._count[k] = n + 1
+            self._count[k] = self._count.get(k, 0) + 1
         self._chains[request_id] = chain
-        return new * PREFIX_CHUNK
 
     def shared(self, chain: list[int]) -> int:
         """Tokens of `chain` that running requests hold."""
@@ -128,23 +125,24 @@ class OrderedPolicy:
         while self._next is not None:
             req = self._next
             chain = self._held.chain(req.prompt_token_ids)
-            # Its own tokens (what its chunks do not cover) and the chunks no one holds yet.
+            shared = self._held.shared(chain)  # in the KV already, for running requests
+            # Its own tokens (past its whole chunks) and its chunks that no one holds yet.
             own = kv_need_tokens(req.prompt_len - len(chain) * PREFIX_CHUNK, self._guess.guess(req))
-            new = len(chain) * PREFIX_CHUNK - self._held.shared(chain)
+            new = len(chain) * PREFIX_CHUNK - shared
             idle = budget.running == 0 and not out and not self._reserved
             fits = (
                 self._reserved_total + own + new <= budget.kv_capacity_tokens
-                and req.prompt_len - (len(chain) * PREFIX_CHUNK - new) <= free_now
+                and req.prompt_len - shared <= free_now
             )
             if not (fits or idle):
                 break
             out.append(req)
-            added = self._held.add(req.id, chain)
-            free_now -= req.prompt_len - (len(chain) * PREFIX_CHUNK - new)
+            self._held.add(req.id, chain)
+            free_now -= req.prompt_len - shared
             self._reserved[req.id] = own
             if req.length_group is not None:
                 self._groups[req.id] = req.length_group
-            self._reserved_total += own + added
+            self._reserved_total += own + new
             self._advance()
         return out
 

@@ -102,5 +102,10 @@ def recheck_profile(engine: Engine, settings: Settings) -> None:
     file or none."""
     if settings.profile != "auto" or engine.profile_path is None:
         return
-    if time.monotonic() - engine.profile_checked_at >= PROFILE_RECHECK_S:
+    if time.monotonic() - engine.profile_checked_at < PROFILE_RECHECK_S:
+        return
+    try:
         attach_profile(engine, settings)
+    except (OSError, ValueError) as exc:  # the cache unwritable, say: plan with the profile held
+        engine.profile_checked_at = time.monotonic()
+        log.warning("could not check the device profile again: %s", exc)
