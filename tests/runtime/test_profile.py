@@ -214,6 +214,24 @@ def test_a_check_within_the_tolerance_or_past_the_burst_limit_changes_nothing(
     assert load_or_measure(engine, tmp_path)[0] == first
 
 
+@pytest.mark.parametrize(("first", "second", "rescale"),
+                         [(1.3, 1.2, 1.2), (1.3, 1.02, None), (1.3, 0.7, None), (0.7, 0.8, 0.8)])
+def test_a_check_past_the_tolerance_rescales_only_when_a_second_one_agrees(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: float, second: float,
+        rescale: float | None) -> None:
+    """A burst of other load shorter than two checks leaves the profile as it is."""
+    engine = make_engine(pages=4096, max_batch_tokens=512)
+    measured, _, _ = load_or_measure(engine, tmp_path)
+    then = measured["fit"]["check_seconds"]
+    readings = iter([first, second])
+    monkeypatch.setattr(profile_module, "check_seconds", lambda engine: then * next(readings))
+    again, _, _ = load_or_measure(engine, tmp_path)
+    if rescale is None:
+        assert again == measured
+    else:
+        assert again["drift"]["ratio"] == pytest.approx(rescale)
+
+
 def test_rescaling_scales_every_time_and_keeps_the_total_drift() -> None:
     profile = {"step_model": {"step_fixed_s": 0.01, "s_per_token": 1e-3}, "flops": 1e12,
                "bandwidth_bytes_per_s": 1e10, "fit": {"check_seconds": 0.2}}
