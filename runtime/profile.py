@@ -623,7 +623,7 @@ def load_or_measure(engine: Engine, data_dir: Path) -> tuple[dict[str, Any], Pat
             cost_model_from_profile(profile)  # still readable
             ratio = drift(engine, profile)
             if abs(ratio - 1.0) > DRIFT_TOLERANCE:  # confirmed by a second check, or not at all
-                again = drift(engine, profile)  # 1.0 at most as far from 1 on the other side
+                again = drift(engine, profile)  # a reading on the other side of 1 counts as 1
                 ratio = min(ratio, max(again, 1.0)) if ratio > 1 else max(ratio, min(again, 1.0))
             if abs(ratio - 1.0) > DRIFT_TOLERANCE:
                 log.info("this device runs %.1f%% %s than its profile %s says: rescaled",
