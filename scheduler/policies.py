@@ -109,10 +109,12 @@ class OrderedPolicy:
         self._groups: dict[str, str] = {}  # running request -> its length group, when it has one
         self._reserved_total = 0.0
         self._held = HeldPrefixes()
+        self._next_chain: list[int] | None = None  # the next request's, once computed
         self._guess = OutputLenGuess()
         self._advance()
 
     def _advance(self) -> None:
+        self._next_chain = None
         try:
             self._next = next(self._it)
         except StopIteration:
@@ -124,7 +126,9 @@ class OrderedPolicy:
         free_now = budget.free_kv_tokens - budget.waiting_prefill_tokens
         while self._next is not None:
             req = self._next
-            chain = self._held.chain(req.prompt_token_ids)
+            if self._next_chain is None:  # once a request: a blocked one waits for steps
+                self._next_chain = self._held.chain(req.prompt_token_ids)
+            chain = self._next_chain
             shared = self._held.shared(chain)  # in the KV already, for running requests
             # Its own tokens (past its whole chunks) and its chunks that no one holds yet.
             own = kv_need_tokens(req.prompt_len - len(chain) * PREFIX_CHUNK, self._guess.guess(req))
