@@ -193,14 +193,15 @@ def test_a_cached_profile_on_a_host_slower_since_is_rescaled_not_measured_again(
     # The host now runs the check 30% slower (a timing stands in for it: a real one varies by
     # ±10% from one process to the next on the project's VMs).
     monkeypatch.setattr(profile_module, "check_seconds", lambda engine: then * 1.3)
-    again, _, fresh = load_or_measure(engine, tmp_path)
+    assert load_or_measure(engine, tmp_path)[0] == first  # by default: a warning only
+    again, _, fresh = load_or_measure(engine, tmp_path, rescale=True)
     assert not fresh and again["measured_at"] == first["measured_at"]
     assert again["drift"]["ratio"] == pytest.approx(1.3)
     for name, value in first["step_model"].items():
         assert again["step_model"][name] == pytest.approx(value * 1.3)
     assert json.loads(path.read_text())["drift"]["ratio"] == pytest.approx(1.3)
     # Checked against the rescaled profile, the host has not moved since: nothing changes.
-    assert load_or_measure(engine, tmp_path)[0] == again
+    assert load_or_measure(engine, tmp_path, rescale=True)[0] == again
 
 
 @pytest.mark.parametrize("ratio", [1.0 + DRIFT_TOLERANCE / 2, 1.0 - DRIFT_TOLERANCE / 2,
@@ -211,7 +212,7 @@ def test_a_check_within_the_tolerance_or_past_the_burst_limit_changes_nothing(
     first, _, _ = load_or_measure(engine, tmp_path)
     then = first["fit"]["check_seconds"]
     monkeypatch.setattr(profile_module, "check_seconds", lambda engine: then * ratio)
-    assert load_or_measure(engine, tmp_path)[0] == first
+    assert load_or_measure(engine, tmp_path, rescale=True)[0] == first
 
 
 @pytest.mark.parametrize(("first", "second", "rescale"),
@@ -225,7 +226,7 @@ def test_a_check_past_the_tolerance_rescales_only_when_a_second_one_agrees(
     then = measured["fit"]["check_seconds"]
     readings = iter([first, second])
     monkeypatch.setattr(profile_module, "check_seconds", lambda engine: then * next(readings))
-    again, _, _ = load_or_measure(engine, tmp_path)
+    again, _, _ = load_or_measure(engine, tmp_path, rescale=True)
     if rescale is None:
         assert again == measured
     else:
