@@ -503,14 +503,13 @@ class BlendPolicy:
         at their peak fits: as they grow and finish at their estimates (KvPeak) or, once
         enough outputs have ended on their own, as the lengths the run has shown forecast it
         (KvForecast). A request counts the prompt tokens it does not share with the one before
-        it; the first counts them all. Admitting on the average occupancy instead overcommits:
-        once the requests grow, the newest is preempted and its prompt and output are computed
-        again."""
+        it (the first all), at the peak and against the free KV. Admitting on the average
+        occupancy overcommits: once the requests grow, the newest is preempted and recomputed."""
         plan = self._plan
         assert plan is not None
         capacity = float(budget.kv_capacity_tokens or self._capacity)
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
-        if self._left >= self._right or (self._run and plan.prompt[self._left] > free):
+        if self._left >= self._right or (self._run and plan.computed[self._left] > free):
             return []
         # While censored samples run, every length is allowed its overruns: in sharing order
         # a preempted request recomputes a prompt its neighbours shared. Progress caught up to
@@ -530,7 +529,7 @@ class BlendPolicy:
             limit = float(self._known[req] if known else self._max_tokens[req])
             bound = (kv.with_request(computed, d, limit, known) if isinstance(kv, KvForecast)
                      else kv.with_request(computed, d))
-            if (self._run or out) and (plan.prompt[pos] > free or bound > capacity):
+            if (self._run or out) and (computed > free or bound > capacity):
                 break
             self._left += 1
             if isinstance(kv, KvForecast):
@@ -539,7 +538,7 @@ class BlendPolicy:
                 kv.add(computed, d)
             out.append(self._take(pos, LEFT, computed + float(plan.output[pos]) / 2.0))
             self._unshared[req] = computed
-            free -= float(plan.prompt[pos])
+            free -= computed
         return out
 
     def _running(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

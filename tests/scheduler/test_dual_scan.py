@@ -608,6 +608,19 @@ def test_without_overlap_blend_admits_what_fits_at_the_kv_peak_not_on_average():
     assert len(pol.admit(make_budget(7_200))) == 2  # 1,000 + 100 + 2 × 3,000
 
 
+def test_without_overlap_a_shared_prefix_counts_once_against_the_free_kv():
+    from tests.scheduler.factories import toy_cost
+
+    # 96 few-shot prompts on one 1,280-token prefix, 32 tokens each of their own and 8 out:
+    # 1,312 + 95 × 32 + 96 × 8 = 5,120 tokens at the peak, so all start in 6,000 tokens of
+    # free KV (counted a whole prompt each, 4 would, and the batch would take 24 admissions).
+    shared = [7] * 1280
+    reqs = [make_request(1312, 8, prefix=shared) for _ in range(96)]
+    pol = _policy(reqs, capacity=6_000, cost=toy_cost())
+    assert not pol.blending
+    assert len(pol.admit(make_budget(6_000))) == 96
+
+
 class _PlanLog:
     """Forwards the AdmissionPolicy calls, noting the mean estimate of each new plan."""
 
