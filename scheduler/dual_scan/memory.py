@@ -90,27 +90,29 @@ class KvPeak:
     it finishes r_i steps from now, so with r sorted descending the peak is
     max_k (c_1 + … + c_k + k·r_k), just before the k-th longest finishes."""
 
-    def __init__(self, held: np.ndarray, left: np.ndarray) -> None:
+    def __init__(self, held: np.ndarray, left: np.ndarray, used: float | None = None) -> None:
+        """`used`: the KV in use now, when more than the requests' own `held` (a shared prefix
+        whose first holder has finished): the difference stays held throughout."""
         order = np.argsort(-left, kind="stable")
         self._held = held[order]  # c: KV held now, by remaining steps, descending
         self._left = left[order]  # r
+        self._base = 0.0 if used is None else max(used - float(np.sum(held)), 0.0)
 
     def _insert(self, held: float, left: float) -> tuple[np.ndarray, np.ndarray]:
         k = int(np.searchsorted(-self._left, -left, side="right"))
         return np.insert(self._held, k, held), np.insert(self._left, k, left)
 
-    @staticmethod
-    def _peak(held: np.ndarray, left: np.ndarray) -> float:
+    def _peak(self, held: np.ndarray, left: np.ndarray) -> float:
         if len(left) == 0:
-            return 0.0
-        return float(np.max(np.cumsum(held) + np.arange(1, len(left) + 1) * left))
+            return self._base
+        return self._base + float(np.max(np.cumsum(held) + np.arange(1, len(left) + 1) * left))
 
     def with_request(self, held: float, left: float) -> float:
         """The peak if a request holding `held` tokens now and decoding `left` more joins."""
         return self._peak(*self._insert(held, left))
 
     def value(self) -> float:
-        """The peak of the requests as they are (0 for none)."""
+        """The peak of the requests as they are (the base for none)."""
         return self._peak(self._held, self._left)
 
     def add(self, held: float, left: float) -> None:

@@ -503,8 +503,9 @@ class BlendPolicy:
         at their peak fits: as they grow and finish at their estimates (KvPeak) or, once
         enough outputs have ended on their own, as the lengths the run has shown forecast it
         (KvForecast). A request counts the prompt tokens it does not share with the one before
-        it (the first all), at the peak and against the free KV. Admitting on the average
-        occupancy overcommits: once the requests grow, the newest is preempted and recomputed."""
+        it (the first all), at the peak and against the free KV; the KV in use beyond the
+        running requests' own (a prefix whose first holder ended) stays. Admitting on the
+        average occupancy overcommits: the newest is preempted and recomputed as they grow."""
         plan = self._plan
         assert plan is not None
         capacity = float(budget.kv_capacity_tokens or self._capacity)
@@ -518,7 +519,7 @@ class BlendPolicy:
         # (bench/cpu_scale_sweep.py; the blending path keeps the reports: on the H200 grid the
         # same made the 48 runs' sum no shorter and their worst compute_high run 0.838 -> 0.823).
         kv = (None if self._warm_left else self._kv_forecast(capacity - free)) or self._kv_peak(
-            overruns=bool(self._warm_left), caught_up=True)
+            overruns=bool(self._warm_left), caught_up=True, used=capacity - free)
         out: list[PlanRequest] = []
         while self._left < self._right:
             pos = self._left
@@ -571,17 +572,17 @@ class BlendPolicy:
         forecast.add(held, now, self._lengths.basis(reqs), limit, known)
         return forecast
 
-    def _kv_peak(self, *, overruns: bool, caught_up: bool = False) -> KvPeak:
-        """The running requests' KV growth and finishes, as their estimates predict, or
-        allowing for overruns (`overruns`). A request admitted in sharing order
-        (_admit_in_order) counts only its unshared prompt. `caught_up`: progress counted to
-        this step (generated_by_now)."""
+    def _kv_peak(self, *, overruns: bool, caught_up: bool = False,
+                 used: float | None = None) -> KvPeak:
+        """The running requests' KV growth and finishes, at their estimates or allowing for
+        overruns; one started in sharing order counts its unshared prompt (and KvPeak's `used`
+        what outlives it). `caught_up`: progress counted to this step (generated_by_now)."""
         _, prompt, now, lag = self._running()
         col = CRIT if overruns else EST
         length = np.fromiter((row[col] for row in self._run.values()), np.float64, len(now))
         if caught_up:
             now = generated_by_now(now, lag, length - 1.0)
-        return KvPeak(prompt + now, np.maximum(length - now, 0.0))
+        return KvPeak(prompt + now, np.maximum(length - now, 0.0), used)
 
     def _take(self, pos: int, side: int, need: float) -> PlanRequest:
         assert self._plan is not None

@@ -621,6 +621,22 @@ def test_without_overlap_a_shared_prefix_counts_once_against_the_free_kv():
     assert len(pol.admit(make_budget(6_000))) == 96
 
 
+def test_without_overlap_a_shared_prefix_stays_counted_after_its_first_holder_finishes():
+    from tests.scheduler.factories import toy_cost
+
+    # A and B share a 1,000-token prefix, A holding it at its peak, B adding its own 100;
+    # C (2,000 + 500) does not fit beside them in 4,000. Once A finishes, B alone holds its
+    # 100 tokens and the 1,000 the executor still keeps for it: 4,100 with C, still past.
+    a, b = (make_request(1100, 500, prefix=[5] * 1000) for _ in range(2))
+    c = make_request(2000, 500)
+    pol = _policy([a, b, c], capacity=4_000, cost=toy_cost())
+    assert [r.id for r in pol.admit(make_budget(4_000))] == [a.id, b.id]
+    pol.on_finish(a.id, 500)
+    assert pol.admit(make_budget(4_000, free=2_900, running=1)) == []
+    pol.on_finish(b.id, 500)
+    assert [r.id for r in pol.admit(make_budget(4_000))] == [c.id]
+
+
 class _PlanLog:
     """Forwards the AdmissionPolicy calls, noting the mean estimate of each new plan."""
 
