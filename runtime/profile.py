@@ -93,9 +93,9 @@ SAMPLED_TRIES = 5
 # The drift check (check_seconds): a decode batch and a mixed step, timed first thing when the
 # profile is measured and again whenever it is loaded from the cache, as many times as take
 # DRIFT_SECONDS (2 to DRIFT_PASSES); a host that has slowed or sped up by more than
-# DRIFT_TOLERANCE since gets every time of the profile scaled by the ratio (a 2-core EPYC VM
-# slowed by ~20% in two hours, and a profile measured at the start under-predicted the runs by
-# 15-23%). Past DRIFT_MAX either way a check timed a burst of other load that the guest cannot
+# DRIFT_TOLERANCE since gets a warning to measure the profile again, or, opted in, every time
+# of the profile scaled by the ratio (a 2-core EPYC VM slowed by ~20% in two hours, and a
+# profile measured at the start under-predicted the runs by 15-23%). Past DRIFT_MAX either way a check timed a burst of other load that the guest cannot
 # see, not a drift: it changes nothing. On a 2-core Zen 4 VM ten checks in a row in one process
 # read 0.94-1.05 of the profile's; one in each of eight processes over two minutes read 0.98,
 # 1.01, 1.03, 1.07, 1.05, 1.03, 1.09 and 1.00 (then 1.73 twice: such a burst); of the 28 runs
@@ -637,15 +637,15 @@ def load_or_measure(engine: Engine, data_dir: Path, *,
                 and covers(profile, engine)):
             cost_model_from_profile(profile)  # still readable
             ratio = drift(engine, profile)
-            if abs(ratio - 1.0) > DRIFT_TOLERANCE and not rescale:
-                log.warning("this device runs %.1f%% %s than its profile %s says: measure it "
-                            "again (`blendserve profile`)", abs(ratio - 1.0) * 100,
-                            "slower" if ratio > 1 else "faster", path)
-            elif abs(ratio - 1.0) > DRIFT_TOLERANCE:
-                log.info("this device runs %.1f%% %s than its profile %s says: rescaled",
-                         abs(ratio - 1.0) * 100, "slower" if ratio > 1 else "faster", path)
-                profile = rescaled(profile, ratio)
-                write_profile(path, profile)
+            if abs(ratio - 1.0) > DRIFT_TOLERANCE:
+                said = (f"this device runs {abs(ratio - 1.0) * 100:.1f}% "
+                        f"{'slower' if ratio > 1 else 'faster'} than its profile {path} says")
+                if not rescale:
+                    log.warning("%s: measure it again (`blendserve profile`)", said)
+                else:
+                    log.info("%s: rescaled", said)
+                    profile = rescaled(profile, ratio)
+                    write_profile(path, profile)
             return profile, path, False
     except (OSError, ValueError, KeyError, TypeError):
         pass  # missing or unreadable: measure again
