@@ -137,3 +137,48 @@ def test_scheduler_report_names_the_device_its_goals_were_judged_on() -> None:
     # overlap 0 is a change (0.0 == False must not hide it)
     assert device_label({"overlap": 0.0, "free_weights": False, "step_overhead_s": 0.011}) == \
         "defaults changed: overlap 0.0, step overhead s 0.011"
+
+
+def test_scheduler_report_reads_seed_lists() -> None:
+    from bench.scheduler_report import parse_seeds
+
+    assert parse_seeds("0-3") == [0, 1, 2, 3]
+    assert parse_seeds("5,1-2,2") == [5, 1, 2]
+
+
+def test_scheduler_report_regenerates_a_trace_it_made_for_another_size_or_seed(
+        tmp_path: Path) -> None:
+    from bench.scheduler_report import ensure_trace
+
+    path = tmp_path / "memory_low_sharing.jsonl"
+    ensure_trace(path, "memory_low_sharing", 40, 1)
+    first = path.read_text()
+    ensure_trace(path, "memory_low_sharing", 40, 1)  # same size and seed: kept
+    assert path.read_text() == first
+    ensure_trace(path, "memory_low_sharing", 40, 2)
+    assert path.read_text() != first and len(read_trace(path)) == 40
+    ensure_trace(path, "memory_low_sharing", 30, 2)
+    assert len(read_trace(path)) == 30
+    path.with_suffix(".meta.json").unlink()  # a trace of the user's own: taken as it is
+    ensure_trace(path, "memory_low_sharing", 50, 3)
+    assert len(read_trace(path)) == 30
+
+
+def _grid_row(trace: str, blend_s: float, best_s: float, fraction: float) -> dict:
+    run = {"makespan_s": blend_s, "fraction_of_optimal": fraction, "prefix_sharing_ratio": 0.3}
+    dfs = {"makespan_s": 1.3 * blend_s, "prefix_sharing_ratio": 0.3}
+    return {"trace": trace, "blend": run, "nanoflow_dfs": dfs,
+            "best": {"policy": "dfs@512", "makespan_s": best_s}}
+
+
+def test_scheduler_report_counts_the_seeds_that_meet_each_goal() -> None:
+    from bench.scheduler_report import seeds_markdown
+
+    grids = {0: [_grid_row("a", 100.0, 110.0, 0.90), _grid_row("b", 100.0, 105.0, 0.86)],
+             4: [_grid_row("a", 100.0, 99.0, 0.95), _grid_row("b", 100.0, 101.0, 0.84)]}
+    text = seeds_markdown(grids)
+    assert "| a | 0.990× (4) | 1 of 2 | 0.900 (0) | 2 of 2 |" in text
+    assert "| b | 1.010× (4) | 2 of 2 | 0.840 (4) | 1 of 2 |" in text
+    assert "best capped fcfs/dfs on each trace: 1 of 2 seeds (missed: 4)" in text
+    assert "of the bound on each trace: 1 of 2 seeds (missed: 4)" in text
+    assert "NanoFlow-DFS on average (lowest mean 1.300×): 2 of 2 seeds ✓" in text
