@@ -181,11 +181,16 @@ def scale_line(scale: dict[str, Any]) -> str:
 def parse_seeds(text: str) -> list[int]:
     """`0-9`, `0,3,5` or both (`0-4,9`), in order, each once."""
     seeds: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        for seed in range(int(lo), int(hi or lo) + 1):
-            if seed not in seeds:
-                seeds.append(seed)
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            lo, _, hi = part.partition("-")
+            for seed in range(int(lo), int(hi or lo) + 1):
+                if seed not in seeds:
+                    seeds.append(seed)
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"no seed in {text!r} (e.g. 0-9 or 0,3,5)")
     return seeds
 
 
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder of grid traces (generated there when missing)")
     ap.add_argument("--requests", type=int, default=20000, help="requests per generated trace")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--seeds", default=None,
+    ap.add_argument("--seeds", type=parse_seeds, default=None,
                     help="run the grid on each of these trace seeds (`0-9`, `0,3,5`), its "
                          "traces in --traces/seedS, and count the seeds that meet each goal")
     ap.add_argument("--caps", default="512,2048,8192", help="step caps of the fcfs/dfs baselines")
@@ -264,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = run_scale(args.traces, args.seed, 0.01) if args.scale else None
     if args.seeds and not args.no_grid:
         grids = {}
-        for seed in parse_seeds(args.seeds):
+        for seed in args.seeds:
             folder = args.traces / f"seed{seed}"
             folder.mkdir(exist_ok=True)
             grids[seed] = run_grid(folder, args.requests, seed, caps, device, args.workers)

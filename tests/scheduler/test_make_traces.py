@@ -3,6 +3,7 @@ reads, and bench/robustness.py, which runs blend on them."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -144,6 +145,9 @@ def test_scheduler_report_reads_seed_lists() -> None:
 
     assert parse_seeds("0-3") == [0, 1, 2, 3]
     assert parse_seeds("5,1-2,2") == [5, 1, 2]
+    for bad in ("3-1", "a", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_seeds(bad)
 
 
 def test_scheduler_report_regenerates_a_trace_it_made_for_another_size_or_seed(
