@@ -95,8 +95,9 @@ SAMPLED_TRIES = 5
 # DRIFT_SECONDS (2 to DRIFT_PASSES); a host that has slowed or sped up by more than
 # DRIFT_TOLERANCE since gets a warning to measure the profile again, or, opted in, every time
 # of the profile scaled by the ratio (a 2-core EPYC VM slowed by ~20% in two hours, and a
-# profile measured at the start under-predicted the runs by 15-23%). Past DRIFT_MAX either way a check timed a burst of other load that the guest cannot
-# see, not a drift: it changes nothing. On a 2-core Zen 4 VM ten checks in a row in one process
+# profile measured at the start under-predicted the runs by 15-23%). Past DRIFT_MAX either way
+# a check timed a burst of other load that the guest cannot see, not a drift: it changes
+# nothing. On a 2-core Zen 4 VM ten checks in a row in one process
 # read 0.94-1.05 of the profile's; one in each of eight processes over two minutes read 0.98,
 # 1.01, 1.03, 1.07, 1.05, 1.03, 1.09 and 1.00 (then 1.73 twice: such a burst); of the 28 runs
 # of bench/cpu_policies.py two read 1.24 and 1.18 at load, once in a run as fast as its peers
