@@ -35,7 +35,7 @@ from runtime.types import (
     TokenLogprob,
 )
 from scheduler.cost_model import CostModel
-from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
+from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget, ahead_of_queue
 
 if TYPE_CHECKING:
     from scheduler.mix import MixPolicy
@@ -434,14 +434,17 @@ class Engine:
 
     def _admit(self, pol: AdmissionPolicy, known: dict[str, EngineRequest],
                waiting: deque[_Seq], running: list[_Seq]) -> None:
-        for pr in pol.admit(self._budget(waiting, running)):
+        admitted = pol.admit(self._budget(waiting, running))
+        ahead, front = ahead_of_queue(pol), deque[_Seq]()
+        for k, pr in enumerate(admitted):
             req = known.pop(pr.id, None)
             if req is None:  # failed check(): its error output is already queued
                 continue
             group = _Group(req, choices=[None] * req.params.n)
             seq = self._new_seq(group, 0, forks=req.params.n - 1)
             seq.waiting_tokens = len(seq.tokens)  # counted in the cache's demand by _accept
-            waiting.append(seq)
+            (front if k < ahead else waiting).append(seq)
+        waiting.extendleft(reversed(front))  # the policy's critical-path starts: before the queue
 
     def _budget(self, waiting: deque[_Seq], running: list[_Seq]) -> StepBudget:
         free = (self.pool.num_free + self.cache.evictable_pages) * self.pool.page_size

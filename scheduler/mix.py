@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
+from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget, ahead_of_queue
 
 PolicyFactory = Callable[[list[PlanRequest]], AdmissionPolicy]
 
@@ -32,6 +32,7 @@ class MixPolicy:
         self._owner: dict[str, AdmissionPolicy] = {}  # admitted, running request -> its policy
         self._running: dict[int, int] = {}  # id(policy) -> its requests still running
         self._level_of: dict[str, int] = {}  # request not yet finished -> its level
+        self._ahead = 0  # the last admit's requests, from its front, ahead of the queue
         self.replans = 0  # plans rebuilt because requests joined or left
 
     # ---- arrivals and departures -----------------------------------------------------------
@@ -69,9 +70,12 @@ class MixPolicy:
     # ---- AdmissionPolicy -------------------------------------------------------------------
     def admit(self, budget: StepBudget) -> list[PlanRequest]:
         out: list[PlanRequest] = []
+        self._ahead = 0
         for level in sorted(self._current, reverse=True):
             pol = self._current[level]
             taken = pol.admit(budget)
+            if taken and not out:  # the first level's critical-path starts lead the answer
+                self._ahead = ahead_of_queue(pol)
             for r in taken:
                 self._owner[r.id] = pol
             self._running[id(pol)] = self._running.get(id(pol), 0) + len(taken)
@@ -85,6 +89,9 @@ class MixPolicy:
                     waiting_prefill_tokens=budget.waiting_prefill_tokens + prompt,
                 )
         return out
+
+    def ahead_of_queue(self) -> int:
+        return self._ahead
 
     def prefill_budget(self, budget: StepBudget) -> int | None:
         """The pacing of the highest level with work; None (full steps) once levels mix."""

@@ -47,6 +47,8 @@ class AdmissionPolicy(Protocol):
     Contract:
     - `admit` returns requests in the order they should start; each is returned exactly once.
       The executor queues them and prefills them in that order; it never drops one.
+    - `ahead_of_queue` (optional, see `ahead_of_queue()` below): how many of the last `admit`'s
+      requests, from its front, the executor prefills before the prompts queued earlier.
     - `prefill_budget` is the number of prefill tokens the next step may carry (pacing);
       None means "as many as the executor's own token budget allows".
     - `on_finish` is called once per request with its real output length.
@@ -68,3 +70,12 @@ class AdmissionPolicy(Protocol):
     def has_pending(self) -> bool: ...
 
     def withdraw(self) -> list[PlanRequest]: ...
+
+
+def ahead_of_queue(policy: object) -> int:
+    """How many of the requests `policy`'s last `admit` returned, from its front, go ahead of
+    the prompts already queued (blend's critical-path starts: a decode that would make the
+    tail alone must start now, not after a queue paced over hundreds of steps). 0 for a policy
+    without the method: its requests queue behind the others."""
+    ahead = getattr(policy, "ahead_of_queue", None)
+    return int(ahead()) if callable(ahead) else 0

@@ -8,13 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from scheduler.cost_model import CostModel
-from scheduler.dual_scan.memory import (
-    KvForecast,
-    KvPeak,
-    MemorySplit,
-    PlanSums,
-    generated_by_now,
-)
+from scheduler.dual_scan.memory import KvForecast, KvPeak, MemorySplit, PlanSums, generated_by_now
 from scheduler.dual_scan.run_lengths import RUN_LEARN_GROWTH, RunLengths
 from scheduler.errors import PlanningError
 from scheduler.estimate import (
@@ -128,6 +122,7 @@ class BlendPolicy:
         self._heaps: dict[int, list[tuple[float, int, float]]] = {EST: [], CRIT: []}
         self._split: MemorySplit | None = None
         self._decoding = 0  # running requests that have reported progress (past their prefill)
+        self._ahead = 0  # critical-path starts at the front of the last admit (ahead_of_queue)
         self._credit = 0.0  # prefill tokens owed to past steps by batch-multiple rounding
         self._withdrawn = False  # withdraw() took every request not yet admitted
         if not self._samples:
@@ -421,8 +416,8 @@ class BlendPolicy:
 
         # 1a. The critical path: a request that would decode for longer than the rest of the
         # work needs (the longest running decode, the KV reads at full capacity, the compute in
-        # full steps) starts now, wherever the plan put it (its prefix is recomputed), or it
-        # would make the tail alone.
+        # full steps) starts now, wherever the plan put it (its prefix is recomputed), its prompt
+        # prefilled ahead of the queue, or it would make the tail alone.
         rest = max(self._longest_running(EST), r_mem / (capacity * self._skv),
                    r_comp / (self._step_tokens * self._spt))
         while True:
@@ -437,6 +432,7 @@ class BlendPolicy:
             self._jumped[1] += float(plan.mem[pos])
             start(pos, p)
             rest = max(rest, float(plan.output[pos]))
+        self._ahead = len(out)
         # 1b. The right cursor: the least dense requests, longest decodes first.
         self._trim()
         while self._left < self._right:
@@ -780,6 +776,10 @@ class BlendPolicy:
         self._push(req, row)
         if outgrown and self.blending and req in self._warm_left and self._plan is not None:
             self._learn()
+
+    def ahead_of_queue(self) -> int:
+        """The last admit's critical-path starts (its front): prefilled before the queue."""
+        return self._ahead
 
     def has_pending(self) -> bool:
         if self._withdrawn:

@@ -38,7 +38,7 @@ from scheduler.prefix_tree import PrefixTree
 from scheduler.simulate.cascade import CascadeReads, SharedReads
 from scheduler.simulate.prefix_cache import PrefixCache
 from scheduler.simulate.trace import TraceEntry
-from scheduler.types import AdmissionPolicy, StepBudget
+from scheduler.types import AdmissionPolicy, StepBudget, ahead_of_queue
 
 DEFAULT_MAX_STEP_TOKENS = 2048  # tokens a step holds at most (the engine's max_batch_tokens)
 
@@ -203,12 +203,17 @@ class _Run:
         if not self.policy.has_pending():
             return 0
         got = self.policy.admit(self.budget())
-        for req in got:
+        ahead = ahead_of_queue(self.policy)
+        at = int(self.head_active and bool(self.queue))  # a prompt part-way in stays first
+        for k, req in enumerate(got):
             i = self.index.get(req.id)
             if i is None or self.admitted[i]:
                 raise SimulationError(f"policy admitted {req.id!r} twice or from outside the trace")
             self.admitted[i] = True
-            self.queue.append(i)
+            if k < ahead:
+                self.queue.insert(at + k, i)
+            else:
+                self.queue.append(i)
             self.waiting += self.p[i]
         return len(got)
 

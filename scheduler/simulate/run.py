@@ -20,7 +20,7 @@ from scheduler.policies import make_policy
 from scheduler.prefix_tree import PrefixTree
 from scheduler.simulate.executor import DEFAULT_MAX_STEP_TOKENS, SimConfig, SimResult, simulate
 from scheduler.simulate.trace import TraceEntry
-from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
+from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget, ahead_of_queue
 
 NULL_SIMULATION = dict.fromkeys(("makespan_s", "optimal_makespan_s", "fraction_of_optimal",
                                  "device_floor_s", "fraction_of_device_floor",
@@ -58,6 +58,9 @@ class TimedPolicy:
 
     def admit(self, budget: StepBudget) -> list[PlanRequest]:
         return self._timed(self.inner.admit, budget)
+
+    def ahead_of_queue(self) -> int:
+        return ahead_of_queue(self.inner)
 
     def prefill_budget(self, budget: StepBudget) -> int | None:
         return self._timed(self.inner.prefill_budget, budget)

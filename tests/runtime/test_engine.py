@@ -216,6 +216,27 @@ def test_abandoning_the_generator_releases_every_page() -> None:
     assert_no_leaks(engine)
 
 
+class InTurns(AdmitAll):
+    """One request an admission, 16 prefill tokens a step; the last one ahead of the queue."""
+
+    def admit(self, budget: StepBudget) -> list[PlanRequest]:
+        self.ahead = int(len(self.pending) == 1)
+        return [self.pending.pop(0)] if self.pending else []
+
+    def ahead_of_queue(self) -> int:
+        return self.ahead
+
+    def prefill_budget(self, budget: StepBudget) -> int | None:
+        return 16
+
+
+def test_a_request_the_policy_puts_ahead_prefills_before_the_waiting_prompts() -> None:
+    # a (part-way through its prefill) goes on first; c, admitted last, passes b, waiting
+    reqs = greedy([list(range(1, 61)), list(range(61, 121)), [5, 6, 7]], max_tokens=1)
+    policy = InTurns(PlanRequest(r.id, r.prompt_token_ids, 1) for r in reqs)
+    assert [o.id for o in make_engine().generate(reqs, policy=policy)] == ["r0", "r2", "r1"]
+
+
 def test_requests_admitted_together_compute_a_shared_prefix_once() -> None:
     # All six arrive in one step: the first caches the 40-token prefix as its chunk is scheduled,
     # the others share those pages in the same step instead of computing them again.

@@ -18,7 +18,7 @@ from scheduler.prefix_tree import PrefixTree
 from scheduler.simulate.executor import SimConfig, simulate
 from scheduler.simulate.trace import TraceEntry
 from scheduler.split import DEFAULT_KEEP_SHARING
-from scheduler.types import PlanRequest
+from scheduler.types import PlanRequest, ahead_of_queue
 from tests.scheduler.factories import h200_8b, make_budget, make_request
 
 
@@ -349,9 +349,10 @@ def test_the_longest_decodes_start_first():
     assert order[0] == longest.id
 
 
-def test_a_long_decode_kept_mid_plan_by_its_shared_prefix_starts_first():
+def test_a_long_decode_kept_mid_plan_by_its_shared_prefix_starts_first_ahead_of_the_queue():
     # The long decode shares a prefix too long to split off with compute-heavy requests, so the
-    # plan keeps it mid-order; it would outlast everything else and must start at once.
+    # plan keeps it mid-order; it would outlast everything else and must start at once: its
+    # prompt goes before those queued earlier, the rest of the admission after them.
     shared = [7] * 3000
     compute = [make_request(23_000, 8, prefix=shared) for _ in range(50)]
     long_decode = make_request(3500, 14_000, prefix=shared, max_tokens=32_000)
@@ -360,6 +361,8 @@ def test_a_long_decode_kept_mid_plan_by_its_shared_prefix_starts_first():
     assert 0 < pol.plan.order.tolist().index(len(compute)) < len(pol.plan) - 1
     first = pol.admit(make_budget(200_000))
     assert first[0].id == long_decode.id and len(first) > 1
+    assert pol.ahead_of_queue() == ahead_of_queue(pol) == 1
+    assert ahead_of_queue(object()) == 0  # a policy without the method: none
 
 
 def test_kv_peak_comes_just_before_a_running_request_finishes():

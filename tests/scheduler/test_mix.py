@@ -5,7 +5,7 @@ from __future__ import annotations
 from scheduler.mix import MixPolicy
 from scheduler.policies import make_policy
 from scheduler.types import PlanRequest
-from tests.scheduler.factories import make_budget, make_request
+from tests.scheduler.factories import h200_8b, make_budget, make_request
 
 
 def _mix(name: str = "dfs") -> MixPolicy:
@@ -71,3 +71,20 @@ def test_blend_replans_as_batches_join() -> None:
     first = mix.admit(make_budget(10_000))
     mix.add(b)
     assert {r.id for r in first + _admit_all(mix)} == {r.id for r in a + b}
+
+
+def test_the_critical_path_starts_of_the_first_level_that_admits_lead_the_queue() -> None:
+    # test_dual_scan's long decode kept mid-plan: blend starts it ahead of the queue, and so
+    # does the mix it runs in; a plain order puts none ahead
+    shared = [7] * 3000
+    long_decode = make_request(3500, 14_000, prefix=shared, max_tokens=32_000)
+    reqs = ([make_request(23_000, 8, prefix=shared) for _ in range(50)] + [long_decode]
+            + [make_request(2000, 3000, prefix=[9] * 1990) for _ in range(10)])
+    mix = MixPolicy(lambda rs: make_policy("blend", rs, kv_capacity_tokens=200_000,
+                                           cost_model=h200_8b()))
+    mix.add(reqs, level=0)
+    got = mix.admit(make_budget(200_000))
+    assert got[0].id == long_decode.id and mix.ahead_of_queue() == 1
+    fcfs = _mix("fcfs")
+    fcfs.add([make_request(10, 4) for _ in range(3)])
+    assert fcfs.admit(make_budget(1_000_000)) and fcfs.ahead_of_queue() == 0

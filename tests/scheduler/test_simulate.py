@@ -247,6 +247,45 @@ def test_every_request_finishes_exactly_once_with_its_true_length(name: str) -> 
     assert result.output_tokens == sum(e.output_len for e in trace)
 
 
+class InTurns:
+    """Admits one request a step, in file order; the last `ahead` of them ahead of the queue."""
+
+    def __init__(self, requests: list[PlanRequest], ahead: int, budget: int) -> None:
+        self.pending, self.ahead, self.budget = list(requests), ahead, budget
+        self.finished: list[str] = []
+        self._ahead = 0
+
+    def admit(self, budget: StepBudget) -> list[PlanRequest]:
+        self._ahead = int(len(self.pending) <= self.ahead)
+        return [self.pending.pop(0)] if self.pending else []
+
+    def ahead_of_queue(self) -> int:
+        return self._ahead
+
+    def prefill_budget(self, budget: StepBudget) -> int | None:
+        return self.budget
+
+    def on_finish(self, request_id: str, output_len: int) -> None:
+        self.finished.append(request_id)
+
+    def on_progress(self, request_id: str, generated: int) -> None:
+        pass
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_a_request_the_policy_puts_ahead_prefills_before_the_queued_prompts(ahead: int) -> None:
+    # a, b and c queue one a step behind each other, 100 prefill tokens a step; c, the last,
+    # goes before b (still waiting) when the policy says so, never before a (part-way in)
+    entries = [make_entry("a", tokens(1, 300), 1), make_entry("b", tokens(2, 300), 1),
+               make_entry("c", tokens(3, 50), 1)]
+    policy = InTurns([e.request for e in entries], ahead, budget=100)
+    simulate(entries, policy, COST, SimConfig(10**6, 8192))
+    assert policy.finished == (["a", "c", "b"] if ahead else ["a", "b", "c"])
+
+
 def test_kv_capacity_is_never_exceeded_and_preempted_requests_recompute() -> None:
     trace = random_trace(120, seed=5)
     cap = 3000
