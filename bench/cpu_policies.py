@@ -196,7 +196,21 @@ def _best_run(reports: list[dict[str, Any]]) -> dict[str, Any]:
     only ever adds time), with every round's wall time beside it."""
     best = dict(min(reports, key=lambda r: r["wall_seconds"]))
     best["walls"] = [round(r["wall_seconds"], 1) for r in reports]
+    # Every round's own reading, so a slow one can be told apart: the others' load while it
+    # ran, and how much of its wall time the engine's steps took (the rest: setup, the plan).
+    best["rounds"] = [{"wall_seconds": r["wall_seconds"], "engine_seconds": r["engine_seconds"],
+                       "steps": r["steps"], "host_load": r["host_load"]} for r in reports]
     return best
+
+
+def _rounds(run: dict[str, Any]) -> str:
+    """The rounds' wall times, each slowed by others' load marked with that load."""
+    out = []
+    for r in run.get("rounds") or [{"wall_seconds": w} for w in run["walls"]]:
+        load = HostLoad.from_fields(r.get("host_load") or {})
+        mark = f" ({load.taken:.0%} load)" if load is not None and load.disturbed else ""
+        out.append(f"{r['wall_seconds']:.1f}{mark}")
+    return "[" + ", ".join(out) + "]"
 
 
 def print_table(name: str, runs: list[dict[str, Any]]) -> None:
@@ -209,7 +223,7 @@ def print_table(name: str, runs: list[dict[str, Any]]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         err = r["predicted_seconds"] / r["wall_seconds"] - 1
-        print(f"| {r['label']} | {r['wall_seconds']:.1f} | {r['walls']} | {_load(r)} | "
+        print(f"| {r['label']} | {r['wall_seconds']:.1f} | {_rounds(r)} | {_load(r)} | "
               f"{r['output_tokens_per_s']:.1f} | {r['cached_tokens']} | {r['steps']} | "
               f"{r['predicted_seconds']:.1f} | {err:+.1%} | {r['step_model_seconds']:.1f} |")
     model_best = min(base, key=lambda r: r["step_model_seconds"])

@@ -331,6 +331,20 @@ def test_the_step_cap_bench_times_every_cap_once_per_round() -> None:
     assert engine.pool.num_free == engine.pool.num_pages  # the borrowed pages came back
 
 
+def test_the_policy_bench_keeps_every_rounds_reading_and_marks_the_slowed_ones() -> None:
+    from bench.cpu_policies import _best_run, _rounds
+
+    def report(wall: float, engine_s: float, other: float | None) -> dict:
+        return {"wall_seconds": wall, "engine_seconds": engine_s, "steps": 258,
+                "host_load": {"other_load": other, "steal": 0.0}}
+
+    best = _best_run([report(217.2, 216.0, 0.4), report(28.7, 27.9, 0.01),
+                      report(27.8, 27.1, None)])
+    assert best["wall_seconds"] == 27.8
+    assert [r["engine_seconds"] for r in best["rounds"]] == [216.0, 27.9, 27.1]
+    assert _rounds(best) == "[217.2 (40% load), 28.7, 27.8]"
+
+
 def test_the_first_write_of_a_kv_page_is_timed_on_pages_never_taken() -> None:
     engine = make_engine(pages=4096, max_batch_tokens=512)
     pool = engine.pool
