@@ -23,7 +23,8 @@ best baseline);
   is what the steps are short of (memory leads and its reads at full capacity need more steps
   than the compute in full steps), the peak alone bounds the memory side, up to the whole
   capacity. A request that would decode longer than all the other work needs starts at once,
-  wherever the plan put it (the critical path). The left cursor admits compute-heavy requests
+  wherever the plan put it, its prompt prefilled ahead of the queue (the critical path:
+  `ahead_of_queue`). The left cursor admits compute-heavy requests
   as the prefill queue drains, in the KV the reservations leave or, past them, in free KV where
   the running requests' KV peak allows (a reservation is an estimate, raised at once when its
   request outgrows it, so reservations can claim more than is held); once memory leads and it
