@@ -219,6 +219,8 @@ def test_abandoning_the_generator_releases_every_page() -> None:
 class InTurns(AdmitAll):
     """One request an admission, 16 prefill tokens a step; the last one ahead of the queue."""
 
+    ahead = 0
+
     def admit(self, budget: StepBudget) -> list[PlanRequest]:
         self.ahead = int(len(self.pending) == 1)
         return [self.pending.pop(0)] if self.pending else []
@@ -231,7 +233,7 @@ class InTurns(AdmitAll):
 
 
 def test_a_request_the_policy_puts_ahead_prefills_before_the_waiting_prompts() -> None:
-    # a (part-way through its prefill) goes on first; c, admitted last, passes b, waiting
+    # r0 (part-way through its prefill) goes on first; r2, admitted last, passes r1 (waiting)
     reqs = greedy([list(range(1, 61)), list(range(61, 121)), [5, 6, 7]], max_tokens=1)
     policy = InTurns(PlanRequest(r.id, r.prompt_token_ids, 1) for r in reqs)
     assert [o.id for o in make_engine().generate(reqs, policy=policy)] == ["r0", "r2", "r1"]
