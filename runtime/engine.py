@@ -173,7 +173,7 @@ class _Seq:
     tree_pages: int = 0  # leading pages owned by the radix cache (locked through `node`)
     node: RadixNode | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    order: int = 0  # admission order, newest is preempted first
+    order: int = 0  # start (or restart) order: the newest started is preempted first
     waiting_tokens: int = 0  # leading tokens counted in the cache's PrefixDemand (not started)
     grammar: Any = None  # xgrammar matcher of a constrained choice (response_format), else None
 
@@ -582,6 +582,7 @@ class Engine:
         ps = self.pool.page_size
         self.cache.lock(node)
         self._no_longer_waiting(seq)
+        seq.order = next(self._order)  # the newest started is preempted first (as the simulator)
         seq.pages, seq.tree_pages, seq.node, seq.computed = pages, len(pages), node, len(pages) * ps
         if self.copies is not None:
             left = len(seq.tokens) - 1 - seq.computed

@@ -15,8 +15,9 @@ engine's `max_batch_tokens`.
 
 KV memory holds the cached prompt segments (shared ones once, see PrefixCache), each running
 request's generated tokens, and the partial chunk of the request being prefilled. Decode growth
-is reserved first each step (evicting unpinned cache, then preempting the newest request, which
-recomputes its prompt and output later, as the engine does); prefill then takes what is left.
+is reserved first each step (evicting unpinned cache, then preempting the request started last,
+which recomputes its prompt and output later, as the engine does); prefill then takes what is
+left.
 Requests are prefilled one after another within a step, in the order admitted (a policy may
 put the first of an admission ahead of the queue: `ahead_of_queue`), and a segment prefilled
 earlier in the step is already cached for the next one (the engine shares it in-step too). All per-request

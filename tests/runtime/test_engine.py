@@ -239,6 +239,37 @@ def test_a_request_the_policy_puts_ahead_prefills_before_the_waiting_prompts() -
     assert [o.id for o in make_engine().generate(reqs, policy=policy)] == ["r0", "r2", "r1"]
 
 
+class AheadThird(AdmitAll):
+    """a and b at the first admission, c at the second, put ahead of b (still waiting)."""
+
+    ahead = 0
+
+    def admit(self, budget: StepBudget) -> list[PlanRequest]:
+        self.ahead = int(len(self.pending) == 1)
+        n = 1 if self.ahead else 2
+        out, self.pending = self.pending[:n], self.pending[n:]
+        return out
+
+    def ahead_of_queue(self) -> int:
+        return self.ahead
+
+    def prefill_budget(self, budget: StepBudget) -> int | None:
+        return 16
+
+
+def test_the_sequence_started_last_is_preempted_first_as_in_the_simulator() -> None:
+    # Admitted a, b, c; started a, c, b (c was put ahead of b). When their decodes outgrow the
+    # pool, b goes (started last), as the simulator's executor has it, not c (admitted last):
+    # its recompute is its 40-token prompt and what it had generated.
+    reqs = greedy([list(range(1, 17)), list(range(17, 57)), [5, 6, 7, 8]], max_tokens=40)
+    policy = AheadThird(PlanRequest(r.id, r.prompt_token_ids, 40) for r in reqs)
+    tight = make_engine(pages=30)
+    got = run(tight, reqs, policy=policy)
+    assert tight.stats.preemptions == 1
+    assert tight.stats.prefill_tokens - (16 + 40 + 4) >= 40
+    assert {k: v.choices[0].token_ids for k, v in got.items()} == tokens(run(make_engine(), reqs))
+
+
 def test_requests_admitted_together_compute_a_shared_prefix_once() -> None:
     # All six arrive in one step: the first caches the 40-token prefix as its chunk is scheduled,
     # the others share those pages in the same step instead of computing them again.
