@@ -458,7 +458,6 @@ class Engine:
         return _Seq(group, index, list(group.req.prompt_token_ids),
                     SamplingState.create(p, index, next(self._seed)),
                     StopChecker(p, self.tokenizer, self.eos_ids), forks_left=forks,
-                    order=next(self._order),
                     grammar=None if fmt is None else self.grammars.matcher(fmt))
 
     # ---- one step ---------------------------------------------------------------------------

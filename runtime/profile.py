@@ -97,12 +97,12 @@ SAMPLED_TRIES = 5
 # of the profile scaled by the ratio (a 2-core EPYC VM slowed by ~20% in two hours, and a
 # profile measured at the start under-predicted the runs by 15-23%). Past DRIFT_MAX either way
 # a check timed a burst of other load that the guest cannot see, not a drift: it changes
-# nothing. On a 2-core Zen 4 VM ten checks in a row in one process
-# read 0.94-1.05 of the profile's; one in each of eight processes over two minutes read 0.98,
-# 1.01, 1.03, 1.07, 1.05, 1.03, 1.09 and 1.00 (then 1.73 twice: such a burst); of the 28 runs
-# of bench/cpu_policies.py two read 1.24 and 1.18 at load, once in a run as fast as its peers
-# (its prediction +16% where it was -5%): a check past the tolerance is taken again, and the
-# profile rescaled only when both are past it on the same side, by the one nearer 1.
+# nothing. On a 2-core Zen 4 VM ten checks in a row in one process read 0.94-1.05 of the
+# profile's; one in each of eight processes over two minutes read 0.98, 1.01, 1.03, 1.07, 1.05,
+# 1.03, 1.09 and 1.00 (then 1.73 twice: such a burst); of the 28 runs of bench/cpu_policies.py
+# two read 1.24 and 1.18 at load, once in a run as fast as its peers (its prediction +16% where
+# it was -5%): a check past the tolerance is taken again, and the profile rescaled only when
+# both are past it on the same side, by the one nearer 1.
 DRIFT_SHAPES = (([1] * 32, [256] * 32), ([1] * 16 + [256], [256] * 17))
 DRIFT_SECONDS = 0.6
 DRIFT_PASSES = 8

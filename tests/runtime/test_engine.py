@@ -216,14 +216,19 @@ def test_abandoning_the_generator_releases_every_page() -> None:
     assert_no_leaks(engine)
 
 
-class InTurns(AdmitAll):
-    """One request an admission, 16 prefill tokens a step; the last one ahead of the queue."""
+class InGroups(AdmitAll):
+    """Admits the requests in groups of `sizes`, one group an admission, the last group ahead of
+    the queue; 16 prefill tokens a step."""
 
-    ahead = 0
+    def __init__(self, requests: Iterable[PlanRequest], sizes: list[int]) -> None:
+        super().__init__(requests)
+        self.sizes, self.ahead = list(sizes), 0
 
     def admit(self, budget: StepBudget) -> list[PlanRequest]:
-        self.ahead = int(len(self.pending) == 1)
-        return [self.pending.pop(0)] if self.pending else []
+        n = self.sizes.pop(0) if self.sizes else 0
+        self.ahead = n if not self.sizes else 0
+        out, self.pending = self.pending[:n], self.pending[n:]
+        return out
 
     def ahead_of_queue(self) -> int:
         return self.ahead
@@ -235,26 +240,8 @@ class InTurns(AdmitAll):
 def test_a_request_the_policy_puts_ahead_prefills_before_the_waiting_prompts() -> None:
     # r0 (part-way through its prefill) goes on first; r2, admitted last, passes r1 (waiting)
     reqs = greedy([list(range(1, 61)), list(range(61, 121)), [5, 6, 7]], max_tokens=1)
-    policy = InTurns(PlanRequest(r.id, r.prompt_token_ids, 1) for r in reqs)
+    policy = InGroups((PlanRequest(r.id, r.prompt_token_ids, 1) for r in reqs), [1, 1, 1])
     assert [o.id for o in make_engine().generate(reqs, policy=policy)] == ["r0", "r2", "r1"]
-
-
-class AheadThird(AdmitAll):
-    """a and b at the first admission, c at the second, put ahead of b (still waiting)."""
-
-    ahead = 0
-
-    def admit(self, budget: StepBudget) -> list[PlanRequest]:
-        self.ahead = int(len(self.pending) == 1)
-        n = 1 if self.ahead else 2
-        out, self.pending = self.pending[:n], self.pending[n:]
-        return out
-
-    def ahead_of_queue(self) -> int:
-        return self.ahead
-
-    def prefill_budget(self, budget: StepBudget) -> int | None:
-        return 16
 
 
 def test_the_sequence_started_last_is_preempted_first_as_in_the_simulator() -> None:
@@ -262,7 +249,7 @@ def test_the_sequence_started_last_is_preempted_first_as_in_the_simulator() -> N
     # pool, b goes (started last), as the simulator's executor has it, not c (admitted last):
     # its recompute is its 40-token prompt and what it had generated.
     reqs = greedy([list(range(1, 17)), list(range(17, 57)), [5, 6, 7, 8]], max_tokens=40)
-    policy = AheadThird(PlanRequest(r.id, r.prompt_token_ids, 40) for r in reqs)
+    policy = InGroups((PlanRequest(r.id, r.prompt_token_ids, 40) for r in reqs), [2, 1])
     tight = make_engine(pages=30)
     got = run(tight, reqs, policy=policy)
     assert tight.stats.preemptions == 1
