@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -35,10 +35,9 @@ from runtime.types import (
     TokenLogprob,
 )
 from scheduler.cost_model import CostModel
+from scheduler.mix import MixPolicy
+from scheduler.policies import make_policy
 from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget, ahead_of_queue
-
-if TYPE_CHECKING:
-    from scheduler.mix import MixPolicy
 
 PROGRESS_EVERY = 16  # tokens between policy.on_progress calls for one request
 MAX_STEP_LOG = 200_000  # steps a long-lived serve() keeps in step_log
@@ -296,8 +295,6 @@ class Engine:
         plan_requests = self._accept(requests, known, done)
         self.step_log = []
         if isinstance(policy, str):
-            from scheduler.policies import make_policy
-
             pol = make_policy(policy, plan_requests, kv_capacity_tokens=self.kv_capacity_tokens,
                               cost_model=self.cost_model, step_tokens=self.config.max_batch_tokens)
         else:
@@ -322,9 +319,6 @@ class Engine:
         level with what that level has not started (scheduler/mix.py), and aborted requests are
         dropped wherever they are, pages freed, without an output.
         """
-        from scheduler.mix import MixPolicy
-        from scheduler.policies import make_policy
-
         def build(reqs: list[PlanRequest]) -> AdmissionPolicy:
             return make_policy(policy, reqs, kv_capacity_tokens=self.kv_capacity_tokens,
                                cost_model=self.cost_model, step_tokens=self.config.max_batch_tokens)

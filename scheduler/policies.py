@@ -12,7 +12,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from scheduler.cost_model import CostModel
+from scheduler.dual_scan import BlendPolicy
 from scheduler.errors import UnknownNameError
+from scheduler.prefix_tree import PrefixTree
 from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget
 
 POLICY_NAMES = ("fcfs", "dfs", "balance", "blend")
@@ -195,13 +197,9 @@ def make_policy(
     if name == "balance":
         order = np.random.default_rng(seed).permutation(len(reqs))
         return OrderedPolicy((reqs[i] for i in order), name="balance")
-    from scheduler.prefix_tree import PrefixTree
-
     tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
     if name == "dfs":
         return OrderedPolicy((reqs[i] for i in tree.dfs_order()), name="dfs")
-    from scheduler.dual_scan import BlendPolicy
-
     return BlendPolicy(
         reqs,
         tree=tree,
