@@ -24,7 +24,11 @@ best baseline);
   than the compute in full steps), the peak alone bounds the memory side, up to the whole
   capacity. A request that would decode longer than all the other work needs starts at once,
   wherever the plan put it, its prompt prefilled ahead of the queue (the critical path:
-  `ahead_of_queue`). The left cursor admits compute-heavy requests
+  `ahead_of_queue`); it is a memory-side request and, unless KV is short, fits M_R too: estimates
+  come by subtree, so hundreds of requests may cross that line in one step, and started at once
+  they filled the KV with long decodes and shut the compute side out (simulated compute_high,
+  20k requests, seed 6: 203 in one step, 804 in all; steps 6,000-10,000 memory-bound; 347.6 s,
+  now 338.2). The left cursor admits compute-heavy requests
   as the prefill queue drains, in the KV the reservations leave or, past them, in free KV where
   the running requests' KV peak allows (a reservation is an estimate, raised at once when its
   request outgrows it, so reservations can claim more than is held); once memory leads and it

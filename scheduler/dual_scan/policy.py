@@ -85,8 +85,7 @@ class BlendPolicy:
         self._priors, self._groups = length_groups(self._reqs)  # structured outputs apart
         self._est = prior_lengths(self._max_tokens, self._known, self._priors)
         warm = plan_warmup(tree, self._max_tokens, self._known, rate=sample_rate, seed=seed,
-                           step_tokens=self._step_tokens, priors=self._priors,
-                           groups=self._groups)
+                           step_tokens=self._step_tokens, priors=self._priors, groups=self._groups)
         self._samples = [int(i) for i in warm.samples]
         self._filler = [int(i) for i in warm.filler]
         self.deadline_steps = warm.deadline_steps  # plan by then, samples finished or not
@@ -417,21 +416,22 @@ class BlendPolicy:
         # 1a. The critical path: a request that would decode for longer than the rest of the
         # work needs (the longest running decode, the KV reads at full capacity, the compute in
         # full steps) starts now, wherever the plan put it (its prefix is recomputed), its prompt
-        # prefilled ahead of the queue, or it would make the tail alone.
+        # prefilled ahead of the queue, or it would make the tail alone; a memory-side request,
+        # it fits M_R too unless KV is short (package docstring: hundreds of one estimate).
         rest = max(self._longest_running(EST), r_mem / (capacity * self._skv),
                    r_comp / (self._step_tokens * self._spt))
         while True:
             pos, crit = self._longest_unstarted()
             if pos < 0 or crit <= rest:
                 break
-            p = float(plan.prompt[pos])
-            alone = not self._run and not out
-            if not alone and not fits_kv(pos, p, crit):
+            p, d = float(plan.prompt[pos]), float(plan.output[pos])
+            if (self._run or out) and not (fits_kv(pos, p, crit) and (
+                    kv_short or self._used[RIGHT] + p + d / 2.0 <= m_right)):
                 break
             self._jumped[0] += float(plan.comp[pos])
             self._jumped[1] += float(plan.mem[pos])
             start(pos, p)
-            rest = max(rest, float(plan.output[pos]))
+            rest = max(rest, d)
         self._ahead = len(out)
         # 1b. The right cursor: the least dense requests, longest decodes first.
         self._trim()

@@ -1,3 +1,4 @@
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -12,7 +13,7 @@ from scheduler.dual_scan import (
     steady_prefill,
 )
 from scheduler.dual_scan.memory import KvForecast
-from scheduler.dual_scan.policy import CRIT, KV_SHORT_OVERCOMMIT
+from scheduler.dual_scan.policy import CRIT, KV_SHORT_OVERCOMMIT, RIGHT, RIGHT_MAX_SHARE
 from scheduler.dual_scan.run_lengths import RunLengths, Survival
 from scheduler.prefix_tree import PrefixTree
 from scheduler.simulate.executor import SimConfig, simulate
@@ -363,6 +364,36 @@ def test_a_long_decode_kept_mid_plan_by_its_shared_prefix_starts_first_ahead_of_
     assert first[0].id == long_decode.id and len(first) > 1
     assert pol.ahead_of_queue() == ahead_of_queue(pol) == 1
     assert ahead_of_queue(object()) == 0  # a policy without the method: none
+
+
+def _critical_crowd(memory_side_held: float) -> BlendPolicy:
+    """Six subtrees, each of 100 compute-heavy prompts and 10 decodes of unknown length sharing
+    a prefix: the plan keeps the decodes mid-order, and the samples (2,000 and 14,000 tokens)
+    make every one of them a critical-path candidate at its overrun allowance. Returns the
+    policy after its first planned admission, the memory side holding `memory_side_held` KV."""
+    reqs = []
+    for g in range(6):
+        shared = [100 + g] * 400
+        reqs += [make_request(12_000, 8, prefix=shared) for _ in range(100)]
+        reqs += [make_request(500, prefix=shared, max_tokens=32_000) for _ in range(10)]
+    pol = _policy(reqs, capacity=800_000, sample_rate=0.05)
+    samples = set(pol.warmup_request_ids)
+    lengths = itertools.cycle([2000, 14_000])
+    for r in pol.admit(make_budget(800_000)):
+        if r.id in samples:
+            pol.on_finish(r.id, next(lengths))
+    pol._used[RIGHT] = memory_side_held  # as if memory-side requests held it
+    pol.admit(make_budget(800_000, 750_000))
+    return pol
+
+
+def test_critical_path_starts_fit_the_memory_sides_share_of_kv():
+    # Estimates come by subtree, so a crowd of requests crosses the critical-path line at once;
+    # started regardless of the memory side's share M_R they filled the KV with long decodes.
+    free_share = _critical_crowd(0.0)
+    m_right = min(free_share.memory_split(800_000).mem_right, RIGHT_MAX_SHARE * 800_000)
+    assert free_share.ahead_of_queue() > 5 and free_share._used[RIGHT] <= m_right
+    assert _critical_crowd(m_right).ahead_of_queue() == 0  # the warm-up's filler still runs
 
 
 def test_kv_peak_comes_just_before_a_running_request_finishes():
