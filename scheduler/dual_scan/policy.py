@@ -416,8 +416,8 @@ class BlendPolicy:
         # 1a. The critical path: a request that would decode for longer than the rest of the
         # work needs (the longest running decode, the KV reads at full capacity, the compute in
         # full steps) starts now, wherever the plan put it (its prefix is recomputed), its prompt
-        # prefilled ahead of the queue, or it would make the tail alone; a memory-side request,
-        # it fits M_R too unless KV is short (package docstring: hundreds of one estimate).
+        # prefilled ahead of the queue, or it would make the tail alone. A memory-side request,
+        # it also fits M_R unless KV is short: many may cross the line at once (package doc).
         rest = max(self._longest_running(EST), r_mem / (capacity * self._skv),
                    r_comp / (self._step_tokens * self._spt))
         while True:
