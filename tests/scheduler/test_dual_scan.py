@@ -12,15 +12,11 @@ from scheduler.dual_scan import (
     split_memory,
     steady_prefill,
 )
-from scheduler.dual_scan.memory import KvForecast
 from scheduler.dual_scan.policy import CRIT, KV_SHORT_OVERCOMMIT, RIGHT, RIGHT_MAX_SHARE
-from scheduler.dual_scan.run_lengths import RunLengths, Survival
 from scheduler.prefix_tree import PrefixTree
-from scheduler.simulate.executor import SimConfig, simulate
-from scheduler.simulate.trace import TraceEntry
 from scheduler.split import DEFAULT_KEEP_SHARING
 from scheduler.types import PlanRequest, ahead_of_queue
-from tests.scheduler.factories import h200_8b, make_budget, make_request
+from tests.scheduler.factories import h200_8b, make_budget, make_request, toy_cost
 
 
 def _policy(reqs, capacity=200_000, sample_rate=0.0, cost=None):
@@ -549,8 +545,6 @@ def test_sharing_is_kept_by_dfs_within_each_side():
 
 
 def test_blend_plans_structured_requests_from_their_own_samples():
-    from dataclasses import replace
-
     reqs = _warm_batch(n=600)
     reqs = [replace(r, length_group="schema", output_prior=12.0) if i % 3 == 0 else r
             for i, r in enumerate(reqs)]
@@ -569,8 +563,6 @@ def test_blend_plans_structured_requests_from_their_own_samples():
 
 
 def test_blend_uses_a_schema_prior_before_any_sample():
-    from dataclasses import replace
-
     reqs = [replace(make_request(50, prefix=[1] * 40, max_tokens=100), length_group="s",
                     output_prior=17.0) for _ in range(300)]
     pol = _policy(reqs, sample_rate=0.02)
@@ -578,8 +570,6 @@ def test_blend_uses_a_schema_prior_before_any_sample():
 
 
 def test_without_overlap_blend_keeps_the_sharing_order_longest_decodes_first_and_full_steps():
-    from tests.scheduler.factories import toy_cost
-
     short = [make_request(200, 4, prefix=[5] * 150) for _ in range(6)]
     long = [make_request(200, 900, prefix=[6] * 150) for _ in range(3)]
     mixed = [make_request(60, d) for d in (30, 40)]
@@ -608,8 +598,6 @@ def test_once_memory_leads_the_compute_side_takes_memory_heavy_requests_longest_
 
 
 def test_without_overlap_the_kv_peak_counts_the_tokens_decoded_since_the_last_report():
-    from tests.scheduler.factories import toy_cost
-
     # A (100 + 400 tokens) last reported 1 token, 100 steps ago: it holds 201 now and 500 in
     # 299 steps. B (100 + 300) would finish a step after it: together 899 at the peak, past
     # 850. Taken as reported, A would peak at 800 with B, and B would start, to be preempted.
@@ -628,8 +616,6 @@ def test_without_overlap_the_kv_peak_counts_the_tokens_decoded_since_the_last_re
 
 
 def test_without_overlap_blend_admits_what_fits_at_the_kv_peak_not_on_average():
-    from tests.scheduler.factories import toy_cost
-
     # Each holds 1,000 + 1,500 tokens on average but 4,000 at its end: four fit on average in
     # 10,000 tokens, and would then outgrow them together (the newest preempted, recomputed).
     reqs = [make_request(1000, 3000) for _ in range(4)]
@@ -643,8 +629,6 @@ def test_without_overlap_blend_admits_what_fits_at_the_kv_peak_not_on_average():
 
 
 def test_without_overlap_a_shared_prefix_counts_once_against_the_free_kv():
-    from tests.scheduler.factories import toy_cost
-
     # 96 few-shot prompts on one 1,280-token prefix, 32 tokens each of their own and 8 out:
     # 1,312 + 95 × 32 + 96 × 8 = 5,120 tokens at the peak, so all start in 6,000 tokens of
     # free KV (counted a whole prompt each, 4 would, and the batch would take 24 admissions).
@@ -656,8 +640,6 @@ def test_without_overlap_a_shared_prefix_counts_once_against_the_free_kv():
 
 
 def test_without_overlap_a_shared_prefix_stays_counted_after_its_first_holder_finishes():
-    from tests.scheduler.factories import toy_cost
-
     # A and B share a 1,000-token prefix, A holding it at its peak, B adding its own 100;
     # C (2,000 + 500) does not fit beside them in 4,000. Once A finishes, B alone holds its
     # 100 tokens and the 1,000 the executor still keeps for it: 4,100 with C, still past.
@@ -669,161 +651,3 @@ def test_without_overlap_a_shared_prefix_stays_counted_after_its_first_holder_fi
     assert pol.admit(make_budget(4_000, free=2_900, running=1)) == []
     pol.on_finish(b.id, 500)
     assert [r.id for r in pol.admit(make_budget(4_000))] == [c.id]
-
-
-class _PlanLog:
-    """Forwards the AdmissionPolicy calls, noting the mean estimate of each new plan."""
-
-    def __init__(self, inner: BlendPolicy) -> None:
-        self.inner, self.means, self._last = inner, [], None
-
-    def _note(self) -> None:
-        plan = self.inner.plan
-        if plan is not None and plan is not self._last and len(plan):
-            self._last = plan
-            self.means.append(float(plan.output.mean()))
-
-    def admit(self, budget):
-        out = self.inner.admit(budget)
-        self._note()
-        return out
-
-    def prefill_budget(self, budget):
-        return self.inner.prefill_budget(budget)
-
-    def on_progress(self, request_id, generated):
-        self.inner.on_progress(request_id, generated)
-
-    def on_finish(self, request_id, output_len):
-        self.inner.on_finish(request_id, output_len)
-        self._note()
-
-    def has_pending(self):
-        return self.inner.has_pending()
-
-    def withdraw(self):
-        return self.inner.withdraw()
-
-
-def _plans_of_a_run(lengths, n=600, kv=8_000):
-    """Simulate n requests of one family (too few for a warm-up sample: planned on the prior)
-    whose request i outputs lengths[i % len(lengths)], in a KV that holds ~30 at a time; the
-    mean estimate of every plan."""
-    reqs = [make_request(64, prefix=[5] * 16, max_tokens=1024) for _ in range(n)]
-    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
-    pol = BlendPolicy(reqs, tree=tree, cost_model=h200_8b(), kv_capacity_tokens=kv,
-                      step_tokens=2048)
-    assert not pol.warmup_request_ids
-    log = _PlanLog(pol)
-    entries = [TraceEntry(r, lengths[i % len(lengths)]) for i, r in enumerate(reqs)]
-    simulate(entries, log, h200_8b(), SimConfig(kv, 2048), tree)
-    return log.means
-
-
-def test_the_lengths_the_run_shows_re_plan_what_has_not_started():
-    means = _plans_of_a_run([200])
-    assert means[0] == 256 and len(means) >= 3  # the prior, then the run's lengths
-    assert means[-1] == pytest.approx(200, rel=0.02)
-
-
-def test_the_run_learns_from_old_starts_only_once_they_have_mostly_finished():
-    # The 10-token requests finish first. Counting them with the long ones still running at the
-    # plan's guess fed that guess back: 256, 247, 89, 69, then 332.
-    means = _plans_of_a_run([10, 10, 1000])
-    assert len(means) >= 2 and min(means[1:]) > 300
-    assert means[-1] == pytest.approx(340, rel=0.05)
-
-
-def test_run_lengths_count_only_requests_started_as_long_ago_as_the_longest_output():
-    known = np.full(14, -1)
-    known[13] = 7
-    lengths = RunLengths(known, np.full(14, 1000))
-    for req in range(14):
-        lengths.started(req, {10: 10, 11: 90, 12: 20}.get(req, 0), 100.0)
-    for req in range(10):
-        lengths.finished(req, 50)
-    lengths.finished(11, 3)  # started 10 steps ago: among the late starts the short finish first
-    lengths.finished(13, 7)  # known length: not a sample
-    old = dict.fromkeys(range(10), 50)
-    assert lengths.samples(100, {10: 400.0}) == {**old, 10: 400}  # running: at its estimate
-    # two of twelve still running: mostly the plan's own guesses, no samples
-    assert lengths.samples(100, {10: 400.0, 12: 300.0}) == {}
-    lengths.finished(10, 500)  # now the longest: nothing started 500 steps before step 100
-    assert lengths.samples(100, {}) == {}
-
-
-def test_kaplan_meier_counts_censored_lengths_at_risk_until_they_are_cut_off():
-    # Ended at 1, 2 and 3; cut off at 2 and 4. At 2 four are at risk (2, 2, 3, 4), one ends.
-    s = Survival.kaplan_meier(np.array([1.0, 2, 2, 3, 4]), np.array([1, 1, 0, 1, 0], dtype=bool))
-    assert s(np.array([0.5, 1, 2, 2.5, 3, 9])) == pytest.approx([1, 0.8, 0.6, 0.6, 0.3, 0.3])
-
-
-def test_run_survival_is_free_of_survivor_bias_and_trusts_only_outputs_the_model_ended():
-    # 20 ended after 10 tokens while 80 still run at 50: the finished ones alone would say 10.
-    n = 101
-    lengths = RunLengths(np.full(n, -1), np.full(n, 100))
-    for req in range(n):
-        lengths.started(req, 0, 100.0)
-    for req in range(15):
-        lengths.finished(req, 10)
-    lengths.finished(100, 100)  # reached max_tokens: cut off there, not an event
-    running = np.arange(20, 100), np.full(80, 50.0)
-    assert lengths.survival(*running) is None  # 15 events: too few to trust
-    for req in range(15, 20):
-        lengths.finished(req, 10)
-    s = lengths.survival(*running)  # at 0.1: 20 of 101 at risk end (the cut-off one counts)
-    assert s is not None and s(np.array([0.05, 0.1, 0.5, 0.99])) == pytest.approx([1] + [81 / 101] * 3)
-
-
-def test_a_kv_forecast_of_known_lengths_is_the_kv_peak():
-    # Lengths known: no uncertainty, the forecast's curve peaks where KvPeak's does.
-    s = Survival(np.array([]), np.array([]))
-    held, left = np.array([100.0, 40, 300]), np.array([50.0, 80, 20])
-    forecast = KvForecast(s, 100.0, z=2.0)
-    forecast.add(held, np.zeros(3), np.ones(3), left, np.ones(3, dtype=bool))
-    peak = KvPeak(held, left)
-    step_ahead = 4  # a token each: the executor keeps the next step's decode tokens free
-    assert forecast.with_request(10.0, 60.0, 60.0, True) == peak.with_request(10.0, 60.0) + step_ahead
-    # Far out, steps are taken in intervals: a request counts the KV it holds at an interval's
-    # end, never more than its length allows.
-    far = KvForecast(s, 20_000.0, z=2.0)
-    far.add(np.array([100.0]), np.zeros(1), np.ones(1), np.array([5_000.0]), np.ones(1, dtype=bool))
-    assert far.with_request(0.0, 1.0, 1.0, True) == 5_100.0 + 2
-
-
-def test_a_kv_forecast_expects_uncertain_lengths_to_end_and_keeps_a_margin():
-    # Half end after 10 tokens, the rest after 20 (in units of their estimate, 1 token).
-    s = Survival(np.array([10.0, 20.0]), np.array([0.5, 0.0]))
-    bounds = []
-    for z in (0.0, 2.0):
-        forecast = KvForecast(s, 40.0, z=z)
-        forecast.add(np.zeros(100), np.zeros(100), np.ones(100), np.full(100, 40.0),
-                     np.zeros(100, dtype=bool))
-        bounds.append(forecast.with_request(0.0, 1.0, 1.0, False) - 101)  # a step ahead
-    # 100 hold t + 1 tokens up to t = 9, and 50 of them to t = 19, each with p = 1/2
-    assert bounds[0] == 1000 and bounds[1] == pytest.approx(1000 + 2 * np.sqrt(100 * 20**2 / 4))
-
-
-def _cpu_run(lengths, n=400, kv=8_000):
-    """Simulate n requests of unknown length (64-token prompts, max_tokens 256; request i
-    outputs lengths[i % len(lengths)]) on a device with no overlap, in a KV far smaller than
-    the batch: (steps, preemptions)."""
-    from tests.scheduler.factories import toy_cost
-
-    reqs = [make_request(64, max_tokens=256) for _ in range(n)]
-    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
-    cost = toy_cost()
-    pol = BlendPolicy(reqs, tree=tree, cost_model=cost, kv_capacity_tokens=kv, step_tokens=2048)
-    entries = [TraceEntry(r, lengths[i % len(lengths)]) for i, r in enumerate(reqs)]
-    result = simulate(entries, pol, cost, SimConfig(kv, 2048), tree)
-    return result.steps, result.preemptions
-
-
-def test_without_overlap_the_lengths_the_run_shows_let_more_requests_run_at_once(monkeypatch):
-    # At max_tokens each request may hold 320 tokens: 25 fit. The outputs are 40-240 tokens.
-    lengths = [40 + (i * 37) % 201 for i in range(50)]
-    steps, preempted = _cpu_run(lengths)
-    monkeypatch.setattr("scheduler.dual_scan.run_lengths.SURVIVAL_MIN_EVENTS", 10**9)
-    steps_at_max, preempted_at_max = _cpu_run(lengths)
-    assert preempted == preempted_at_max == 0
-    assert steps < 0.85 * steps_at_max
