@@ -20,8 +20,9 @@ which recomputes its prompt and output later, as the engine does); prefill then 
 left. Requests are prefilled one after another within a step, in the order admitted (a policy
 may put the first of an admission ahead of the queue: `ahead_of_queue`), and a segment
 prefilled earlier in the step is already cached for the next one (the engine shares it in-step
-too). All per-request work happens at events (start, finish, progress report); a plain decode step is O(1), and once
-the policy has admitted everything, decode-only stretches are advanced to the next finish.
+too). All per-request work happens at events (start, finish, progress report); a plain decode
+step is O(1), and once the policy has admitted everything, decode-only stretches are advanced
+to the next finish.
 """
 
 from __future__ import annotations
