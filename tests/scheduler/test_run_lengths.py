@@ -9,15 +9,19 @@ from scheduler.dual_scan.memory import KvForecast
 from scheduler.dual_scan.run_lengths import RunLengths, Survival
 from scheduler.prefix_tree import PrefixTree
 from scheduler.simulate.executor import SimConfig, simulate
+from scheduler.simulate.run import TimedPolicy
 from scheduler.simulate.trace import TraceEntry
 from tests.scheduler.factories import h200_8b, make_request, toy_cost
 
 
-class _PlanLog:
-    """Forwards the AdmissionPolicy calls, noting the mean estimate of each new plan."""
+class _PlanLog(TimedPolicy):
+    """Forwards the AdmissionPolicy calls (as the simulator's run does), noting the mean
+    estimate of each new plan."""
 
     def __init__(self, inner: BlendPolicy) -> None:
-        self.inner, self.means, self._last = inner, [], None
+        super().__init__(inner)
+        self.means: list[float] = []
+        self._last = None
 
     def _note(self) -> None:
         plan = self.inner.plan
@@ -26,25 +30,13 @@ class _PlanLog:
             self.means.append(float(plan.output.mean()))
 
     def admit(self, budget):
-        out = self.inner.admit(budget)
+        out = super().admit(budget)
         self._note()
         return out
 
-    def prefill_budget(self, budget):
-        return self.inner.prefill_budget(budget)
-
-    def on_progress(self, request_id, generated):
-        self.inner.on_progress(request_id, generated)
-
     def on_finish(self, request_id, output_len):
-        self.inner.on_finish(request_id, output_len)
+        super().on_finish(request_id, output_len)
         self._note()
-
-    def has_pending(self):
-        return self.inner.has_pending()
-
-    def withdraw(self):
-        return self.inner.withdraw()
 
 
 def _plans_of_a_run(lengths, n=600, kv=8_000):
