@@ -43,7 +43,9 @@ best baseline);
   runs, at those allowances: the pace rests on estimated lengths, and a path guessed short
   spends the compute early and leaves the longest decodes alone in weight-bound steps, where one
   guessed long costs only a compute-bound tail (which, filled to the memory time alone, paid a
-  weights read per few hundred tokens). The prefill queue keeps up with that pace, and the
+  weights read per few hundred tokens: compute_high 346.6 s, now 344.4; at the estimates' pace
+  the compute traces took +0.7…+23 s, and while censored samples ran the memory traces
+  +18…+30 s). The prefill queue keeps up with that pace, and the
   memory side admits while its steady-state read fits max(remaining compute, remaining
   memory + W·steps) / steps, steps being the most of the decode steps the longest request may
   still need (overruns allowed for) and the steps the remaining KV reads need at full capacity;
@@ -53,10 +55,14 @@ best baseline);
   filler of unknown length counts as decoding twice the warm-up's steps, and the plan raises a
   running request's estimate to its subtree's. While samples censored at the deadline still
   run, their subtrees' memory work is a lower bound: the memory side's admission takes compute
-  to lead only past r_mem times the overrun factor. The pace keeps to the estimates: held to
-  that bound too, it leaned short while a reasoning family's samples ran: the compute traces
-  gained 1.0-1.3% at 5k requests (a tail of long decodes bounds them) and lost 1.0-1.3% at 20k
-  (their compute does; simulated, mean of seeds 0-9). Their own estimates (twice what they
+  to lead only past r_mem times the overrun factor. The pace takes memory to lead there only
+  where it does both at that bound and with the steps counted to the end a censored sample may
+  still reach (its max_tokens, a weights read each): each alone is right at one scale. A
+  reasoning family's long decodes bound the compute traces at 5k requests (M + W·S_min), not
+  at 20k (their compute does): the overrun bound alone gained 1.0-1.3% at 5k and lost
+  1.0-1.3% at 20k, max_tokens alone lost 0.7% on memory_low at 5k; both together gain 1.0% and
+  1.3% on 5k's compute traces (memory_high +0.24%, memory_low +0.02%), 0.2-0.7% at 2k, lose
+  0.15% and 0.09% at 20k (simulated, mean of seeds 0-9). Their own estimates (twice what they
   have run) already treat them as halfway, so the KV peak counts every running request at its
   estimate.
 - Where they do not overlap (this CPU runtime), mixing hides nothing: every step costs W plus

@@ -669,6 +669,11 @@ class BlendPolicy:
         r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity,
                                               cautious=False)
         compute_leads = self.compute_leads(r_comp, r_mem, steps)
+        if compute_leads and self._warm_left:  # censored samples run (package docstring)
+            to_cap = max((float(self._max_tokens[i]) - self._run[i][4] for i in self._warm_left
+                          if i in self._run), default=0.0)  # the steps they may still take
+            compute_leads = (self.compute_leads(r_comp, r_mem, steps, censored=True)
+                             or self.compute_leads(r_comp, r_mem, max(steps, to_cap)))
         at_least_s = 0.0
         if compute_leads:
             crit_steps = max(steps, self._longest_running(CRIT))
@@ -680,11 +685,6 @@ class BlendPolicy:
             elif not self._warm_left:
                 # Compute leads even at every overrun allowance and every sample's length is
                 # in: keep up with the critical path at those allowances (package docstring).
-                # A compute-bound tail of a few short decodes then runs whole steps; filled
-                # only to their memory time, ~8,000 steps each paid a weights read that hid
-                # almost nothing (compute_high: 344.4 s, was 346.6). At the estimates the
-                # compute traces took +0.7…+23 s, and while censored samples ran the memory
-                # traces +18…+30 s.
                 at_least_s = r_comp / crit_steps
         want = self._prefill_tokens(decoding, compute_leads, at_least_s)
         self._paced[1] += self._read * self._skv + self._weights

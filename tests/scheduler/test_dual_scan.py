@@ -502,16 +502,22 @@ def test_prefill_budget_keeps_up_with_the_critical_path_only_once_every_sample_i
     assert pol.prefill_budget(budget) <= _memory_fill(pol, cost, running, 1 + PACE_LEAN_PAST) + 128
 
 
-def test_where_the_estimates_disagree_the_lean_follows_the_steps_paced_so_far(monkeypatch):
-    # Compute leads with the longest decode at its estimate; at its overrun allowance (a
-    # million steps here, each reading the weights) memory does: the steps paced so far decide.
+def _leans(monkeypatch):
+    """`_beside_prompts` decoding, each step's lean (compute leads?) noted in place of its
+    prefill: (policy, first admission, leans, a step's budget)."""
     _, pol, _, admitted = _beside_prompts(4, 200, 400)
     for r in admitted:
         pol.on_progress(r.id, 1)
     leans: list[bool] = []
     monkeypatch.setattr(pol, "_prefill_tokens",
                         lambda decoding, leads, *_: leans.append(leads) or 0.0)
-    budget = make_budget(800_000, running=len(admitted), waiting=100_000)
+    return pol, admitted, leans, make_budget(800_000, running=len(admitted), waiting=100_000)
+
+
+def test_where_the_estimates_disagree_the_lean_follows_the_steps_paced_so_far(monkeypatch):
+    # Compute leads with the longest decode at its estimate; at its overrun allowance (a
+    # million steps here, each reading the weights) memory does: the steps paced so far decide.
+    pol, _, leans, budget = _leans(monkeypatch)
     pol.prefill_budget(budget)
     assert leans == [True]  # the estimates agree
     assert pol._paced[0] > 0 and pol._paced[1] > 0  # the step counted: its decodes, its reads
@@ -523,6 +529,26 @@ def test_where_the_estimates_disagree_the_lean_follows_the_steps_paced_so_far(mo
     pol._paced = [2.0, 1.0]  # compute-bound so far
     pol.prefill_budget(budget)
     assert leans[1:] == [False, True]
+
+
+def test_while_censored_samples_run_the_pace_leans_short_only_where_both_bounds_say_memory(
+        monkeypatch):
+    # Compute leads at the estimates. A sample censored at the deadline still runs: memory
+    # may lead at r_mem times the overrun factor, and with the steps counted to the sample's
+    # max_tokens (a weights read each); the pace leans short only where both say so.
+    pol, admitted, leans, budget = _leans(monkeypatch)
+    r_mem, steps = 1.0, 1000.0
+    r_comp = 2.0 + pol._weights * steps  # twice the memory work, and the weights read
+    monkeypatch.setattr(pol, "remaining", lambda *_, **__: (r_comp, r_mem, steps))
+    sample = pol._index[admitted[0].id]
+    for overrun, max_tokens, censored in [(3.0, 10_000, {sample}),  # memory at both
+                                          (3.0, 2, {sample}),  # at the overrun bound only
+                                          (1.5, 10_000, {sample}),  # at max_tokens only
+                                          (3.0, 10_000, set())]:  # every length is in
+        pol._overrun, pol._warm_left = overrun, censored
+        pol._max_tokens[sample] = max_tokens
+        pol.prefill_budget(budget)
+    assert leans == [False, True, True, True]
 
 
 def test_a_plan_with_known_lengths_needs_no_warm_up():
