@@ -43,10 +43,10 @@ best baseline);
   runs, at those allowances: the pace rests on estimated lengths, and a path guessed short
   spends the compute early and leaves the longest decodes alone in weight-bound steps, where one
   guessed long costs only a compute-bound tail (which, filled to the memory time alone, paid a
-  weights read per few hundred tokens: compute_high 346.6 s, now 344.4; at the estimates' pace
-  the compute traces took +0.7…+23 s, and while censored samples ran the memory traces
-  +18…+30 s). The prefill queue keeps up with that pace, and the
-  memory side admits while its steady-state read fits max(remaining compute, remaining
+  weights read per few hundred tokens: ~8,000 steps, compute_high 346.6 s, now 344.4; at the
+  estimates' pace the compute traces took +0.7…+23 s, and while censored samples ran the
+  memory traces +18…+30 s). The prefill queue keeps up with that pace, and the memory side
+  admits while its steady-state read fits max(remaining compute, remaining
   memory + W·steps) / steps, steps being the most of the decode steps the longest request may
   still need (overruns allowed for) and the steps the remaining KV reads need at full capacity;
   where KV is short, reading less than it holds only adds steps, so a memory-heavy request
@@ -62,9 +62,10 @@ best baseline);
   at 20k (their compute does): the overrun bound alone gained 1.0-1.3% at 5k and lost
   1.0-1.3% at 20k, max_tokens alone lost 0.7% on memory_low at 5k; both together gain 1.0% and
   1.3% on 5k's compute traces (memory_high +0.24%, memory_low +0.02%), 0.2-0.7% at 2k, lose
-  0.15% and 0.09% at 20k (simulated, mean of seeds 0-9). Their own estimates (twice what they
-  have run) already treat them as halfway, so the KV peak counts every running request at its
-  estimate.
+  0.15% and 0.09% on 20k's (its memory traces −0.04%, +0.01%; simulated, mean of seeds 0-9);
+  held to both bounds, the admission lost 0.2-0.4% more at 20k. Their own estimates (twice
+  what they have run) already treat them as halfway, so the KV peak counts every running
+  request at its estimate.
 - Where they do not overlap (this CPU runtime), mixing hides nothing: every step costs W plus
   its compute plus its memory, so only the step count and the prefix sharing can change. The plan
   keeps the sharing order (no splitting), puts the subtrees with the longest decodes first (they
