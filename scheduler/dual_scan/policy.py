@@ -669,11 +669,11 @@ class BlendPolicy:
         r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity,
                                               cautious=False)
         compute_leads = self.compute_leads(r_comp, r_mem, steps)
-        if compute_leads and self._warm_left:  # censored samples run (package docstring)
+        if compute_leads and self._warm_left and not self.compute_leads(
+                r_comp, r_mem, steps, censored=True):  # censored samples run (package docstring)
             to_cap = max((float(self._max_tokens[i]) - self._run[i][4] for i in self._warm_left
                           if i in self._run), default=0.0)  # the steps they may still take
-            compute_leads = (self.compute_leads(r_comp, r_mem, steps, censored=True)
-                             or self.compute_leads(r_comp, r_mem, max(steps, to_cap)))
+            compute_leads = self.compute_leads(r_comp, r_mem, max(steps, to_cap))
         at_least_s = 0.0
         if compute_leads:
             crit_steps = max(steps, self._longest_running(CRIT))
