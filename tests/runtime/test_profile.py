@@ -345,6 +345,17 @@ def test_the_policy_bench_keeps_every_rounds_reading_and_marks_the_slowed_ones()
     assert _rounds(best) == "[217.2 (40% load), 28.7, 27.8]"
 
 
+def test_the_policy_bench_counts_as_the_same_work_only_the_same_steps_tokens_and_cache() -> None:
+    from bench.cpu_policies import _same_work
+
+    blend = {"steps": 32, "output_tokens": 1944, "cached_tokens": 134389,
+             "step_model_seconds": 28.17}
+    assert _same_work({**blend, "step_model_seconds": 28.18}, blend)  # rounding of the sum
+    assert not _same_work({**blend, "steps": 33}, blend)
+    assert not _same_work({**blend, "cached_tokens": 132000}, blend)
+    assert not _same_work({**blend, "step_model_seconds": 29.0}, blend)  # other step shapes
+
+
 def test_the_first_write_of_a_kv_page_is_timed_on_pages_never_taken() -> None:
     engine = make_engine(pages=4096, max_batch_tokens=512)
     pool = engine.pool
