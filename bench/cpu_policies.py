@@ -4,8 +4,8 @@ For each workload of bench/cpu_workloads.py (chat, long_short, low_sharing, fews
 one after the other in this process's machine: an untimed warm-up run (--warmup), then `blend`
 with the default flags (what a user gets), then `fcfs` and `dfs` at each step cap of --caps
 (`--max-step-tokens`). The warm-up is there because the first `blendserve run` after other work
-(the last workload's model load and simulations) ran 5-15% slower than the next run of the same
-configuration in 5 of 7 sequences on a 2-core VM. Where every order takes the same steps (a
+(the last workload's model load and simulations) ran slower than the next run of the same steps
+in 6 of 7 sequences on a 2-core VM, by 6-25%. Where every order takes the same steps (a
 batch that fits the KV pool on a CPU), blend's one run against the fastest of six runs of about
 the same work is one draw against the best of six: host noise decides the wall ratio, and the
 step-model column is the comparison without it. Every run writes its plan
