@@ -27,8 +27,8 @@ preemption's recompute rounds one differently) and
 replays it.
 
     python bench/cpu_policies.py                          # all four workloads (~10 min on a
-    # 2-core AMX Xeon in bfloat16, ~17 on a 2-core Zen 4 EPYC in bfloat16, ~60 on a 2-core
-    # AVX2 EPYC in float32)
+    # 2-core AMX Xeon in bfloat16, ~17 on a 2-core Zen 4 EPYC in bfloat16, ~40 on a 2-core
+    # AVX2 EPYC in float32, ~36 with the warm-up runs on a 2-core AVX-512 Xeon in float32)
     python bench/cpu_policies.py --workloads chat --caps 2048
     python bench/cpu_policies.py --workloads chat --kv-memory 300000000   # KV-bound
     python bench/cpu_policies.py --workloads chat --scale 4 --caps 2048,8192  # 256 requests
