@@ -19,6 +19,10 @@ and Intel's OpenMP, as vLLM's CPU guide advises:
     python bench/vllm_compare.py --vllm-python V/bin/python
     python bench/vllm_compare.py --vllm-python V/bin/python --vllm-env VLLM_CPU_OMP_THREADS_BIND=0-1 \
         --vllm-env VLLM_CPU_NUM_OF_RESERVED_CPU=0 --vllm-env LD_PRELOAD=V/lib/libiomp5.so
+
+Measured (chat, one run each; blendserve / vLLM): 2.25x as vLLM comes and 1.47x tuned as above
+on a 2-core Zen 4 EPYC in bfloat16; 2.05x and 1.26x on a 2-core Zen 3 EPYC (AVX2) in float32,
+where both spend most of a step in the same fp32 GEMMs (blendserve 62.5 s, vLLM 78.9 s tuned).
 """
 
 from __future__ import annotations
