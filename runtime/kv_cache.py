@@ -134,6 +134,13 @@ class PagedKVPool:
         first write costs more, see _zeros)."""
         return self._untouched
 
+    def write_fresh(self, since: int) -> None:
+        """Write zeros over the pages first handed out since `pages_ever_taken` was `since`, so
+        that the OS backs them now and not in the first step that reads or writes them (the
+        profile's step shapes read their K/V as a run's decodes do, after a prefill wrote it)."""
+        if self._untouched > since:
+            self.data[:, :, since:self._untouched].zero_()
+
     def free(self, pages: list[int]) -> None:
         self._free.extend(pages)
 

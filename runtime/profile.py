@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from runtime.engine import Engine
     from scheduler.cost_model import CostModel
 
-PROFILE_VERSION = 12  # 2: real steps of a representative run in the fit; 3: attention kind;
+PROFILE_VERSION = 13  # 2: real steps of a representative run in the fit; 3: attention kind;
 # 4: what the measurement covered (a small engine's profile no longer serves a full one);
 # 5: the fit weighted by 1/sqrt(seconds), the representative run sized to the device;
 # 6: the device's default step cap (the simulator's, for this profile); 7: large step shapes;
@@ -65,7 +65,8 @@ PROFILE_VERSION = 12  # 2: real steps of a representative run in the fit; 3: att
 # 9: the CPU kernel no longer cascades: decodes read (and the steps count) a shared prefix per row
 # 10: s_per_fresh_kv_token, a KV token's first write on a page never used
 # 11: s_per_shared_kv_token, decodes' reads of pages another decode of the step reads too;
-# s_per_sampled_row, a row drawn at a temperature > 0; 12: check_seconds (drift)
+# s_per_sampled_row, a row drawn at a temperature > 0; 12: check_seconds (drift);
+# 13: step shapes timed on K/V pages written before (kv_cache.PagedKVPool.write_fresh)
 FULL_STEP_TOKENS = 2048  # a profile calibrated with steps this large serves larger step caps too
 FEATURES = ("step_fixed_s", "s_per_token", "s_per_row", "s_per_pair", "s_per_kv_token",
             "s_per_shared_kv_token")
@@ -228,9 +229,15 @@ def time_step(engine: Engine, q_lens: list[int], kv_lens: list[int], reps: int =
 
 def _timings(engine: Engine, q_lens: list[int], kv_lens: list[int],
              done: Callable[[list[float]], bool], shared: int = 0) -> list[float]:
-    """_forward_times on pages borrowed from the engine's pool and handed back."""
+    """_forward_times on pages borrowed from the engine's pool and handed back, written first:
+    a run's decodes read K/V that its prefill wrote, where pages never written are backed by the
+    OS in the timed steps themselves: on a 2-core Zen 4 VM a fresh engine's decode shapes ran
+    10-70% slow for their first 4-6 timings, and six profiles put one chat run's steps 4-23%
+    long (fit errors 4-11%); on written pages three put them 4-10% long (fit errors 3-4%)."""
     ps = engine.pool.page_size
+    since = engine.pool.pages_ever_taken
     pages = engine.pool.alloc(sum(-(-k // ps) for k in kv_lens) - shared // ps * (len(kv_lens) - 1))
+    engine.pool.write_fresh(since)
     try:
         return _forward_times(engine, q_lens, kv_lens, pages, done, shared)
     finally:

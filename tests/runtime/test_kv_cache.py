@@ -79,6 +79,23 @@ def test_a_cpu_pool_is_zero_aligned_and_takes_memory_only_where_it_is_written() 
     assert data[7, 0, 4095].float().sum().item() == 16 * 4 * 64  # the tensor owns the memory
 
 
+def test_writing_the_fresh_pages_writes_only_those_handed_out_since() -> None:
+    pool = make_pool(8)
+    pool.data.fill_(1.0)  # stands for K/V the pages hold
+    since = pool.pages_ever_taken
+    a = pool.alloc(3)
+    pool.write_fresh(since)
+    assert pool.data[:, :, :3].count_nonzero().item() == 0
+    assert pool.data[:, :, 3:].eq(1.0).all()  # pages not handed out are left as they are
+    pool.data[:, :, a] = 2.0
+    pool.free(a)
+    since = pool.pages_ever_taken
+    b = pool.alloc(4)  # the three freed ones again, then one never taken: only that one
+    pool.write_fresh(since)
+    assert sorted(b) == [0, 1, 2, 3]
+    assert pool.data[:, :, :3].eq(2.0).all() and pool.data[:, :, 3].count_nonzero().item() == 0
+
+
 def test_pages_never_taken_before_count_as_fresh_once() -> None:
     pool = make_pool(8)
     a = pool.alloc(3)

@@ -40,6 +40,7 @@ from runtime.profile import (
     rescaled,
     shared_step_shapes,
     step_shapes,
+    time_step,
     write_profile,
 )
 from scheduler.cost_model import HardwareProfile
@@ -269,6 +270,20 @@ def test_the_drift_check_times_the_engine_itself() -> None:
     engine = make_engine(pages=4096, max_batch_tokens=512)
     first, second = check_seconds(engine), check_seconds(engine)
     assert first and second and 0.5 < first / second < 2.0
+
+
+def test_a_step_shape_is_timed_on_kv_pages_written_before_it() -> None:
+    # A run's decodes read K/V its prefill wrote: the shape's pages are written (zeros) first,
+    # and the timed forwards write only each sequence's newest token.
+    engine = make_engine(pages=256, max_batch_tokens=256)
+    pool = engine.pool
+    pool.data.fill_(1.0)  # stands for pages the OS has not backed yet
+    time_step(engine, [1, 1], [40, 40], reps=1)
+    taken = pool.pages_ever_taken
+    per_token = pool.num_layers * 2 * pool.kv_heads * pool.head_dim
+    assert taken == 2 * -(-40 // pool.page_size)
+    assert 0 < pool.data[:, :, :taken].count_nonzero().item() <= 2 * per_token
+    assert pool.data[:, :, taken:].eq(1.0).all()
 
 
 def test_an_engine_too_small_for_the_drift_check_skips_it() -> None:
