@@ -44,8 +44,9 @@ class Plan:
 def sorted_dfs(tree: PrefixTree, rho: np.ndarray) -> np.ndarray:
     """Request indices in DFS order with every node's children sorted by ρ, descending."""
     # float32 keys: subtree sums come from cumulative-sum differences, so equal densities can
-    # differ in the last bits; ties must keep the DFS (lexicographic) order.
-    key = -np.nan_to_num(rho, posinf=3e38).astype(np.float32)
+    # differ in the last bits; ties must keep the DFS (lexicographic) order. ±inf (no decode;
+    # an empty subtree's max) become float32's extremes.
+    key = -np.nan_to_num(rho, posinf=3e38, neginf=-3e38).astype(np.float32)
     by_parent = np.lexsort((key, tree.parent))[1:]  # the root (parent -1) sorts first
     ptr = np.searchsorted(tree.parent[by_parent], np.arange(tree.num_nodes + 1)).tolist()
     kids = by_parent.tolist()

@@ -31,6 +31,20 @@ def test_siblings_are_sorted_compute_heavy_first_and_subtrees_stay_contiguous():
     assert inside_a[-1] == 7  # the outlier sorts last among its siblings
 
 
+def test_infinite_keys_sort_without_overflow_warnings():
+    # ρ is inf without decodes, and the longest-first key of an empty batch's root is -inf.
+    import warnings
+
+    empty = PrefixTree.build([])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(sorted_dfs(empty, empty.subtree_max(np.zeros(0)))) == 0
+        tree = PrefixTree.build([[1, 2], [1, 3], [4]])
+        key = np.full(tree.num_nodes, np.inf)
+        key[tree.parent == 0] = -np.inf
+        assert sorted(sorted_dfs(tree, key).tolist()) == [0, 1, 2]
+
+
 def test_shared_with_previous_is_the_common_prefix_length():
     order = TREE.dfs_order()
     shared = shared_with_previous(TREE, order)
