@@ -42,6 +42,9 @@ def _build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", default=None,
                       help="where to write it (default: the cache under DATA_DIR/profiles/, "
                            "which the worker and `run` read)")
+    prof.add_argument("--if-missing", action="store_true",
+                      help="keep a cached profile that is current (as the worker and `run` load "
+                           "it, drift check included); measure only where there is none")
 
     batches = sub.add_parser("batches", help="list, watch or show batches on a running server")
     batches.add_argument("--base-url", default=None, help="default: OPENAI_BASE_URL, else local")

@@ -134,11 +134,13 @@ def _make_engine(spec: str, settings: Settings, args: argparse.Namespace) -> Eng
 
 
 def profile_main(args: argparse.Namespace) -> int:
-    """`blendserve profile`: measure the served model's step time here and write the profile."""
+    """`blendserve profile`: measure the served model's step time here and write the profile
+    (`--if-missing`: only where the cache holds no current one, as `make install` does, so that
+    neither the first `run` nor the first batch pays for it)."""
     import json
 
     from runtime.host_load import disturbance
-    from runtime.profile import cached_profile_path, measure, write_profile
+    from runtime.profile import cached_profile_path, load_or_measure, measure, write_profile
     from server.engine_setup import EngineSetup, build_engine
 
     try:
@@ -149,10 +151,18 @@ def profile_main(args: argparse.Namespace) -> int:
         print(f"blendserve profile: error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else cached_profile_path(settings.data_dir, engine)
-    print(f"blendserve profile: measuring {engine.model_name} on {engine.model.device} "
-          f"({str(engine.dtype).removeprefix('torch.')}) ...", file=sys.stderr)
-    profile = measure(engine)
-    write_profile(out, profile)
+    what = f"{engine.model_name} on {engine.model.device} ({str(engine.dtype).removeprefix('torch.')})"
+    if args.if_missing and not args.out:
+        print(f"blendserve profile: {what}: the cached profile if current, else measured now ...",
+              file=sys.stderr)
+        profile, out, fresh = load_or_measure(engine, settings.data_dir)
+        if not fresh:
+            print(f"blendserve profile: {out} is current; kept", file=sys.stderr)
+            return 0
+    else:
+        print(f"blendserve profile: measuring {what} ...", file=sys.stderr)
+        profile = measure(engine)
+        write_profile(out, profile)
     fit = profile["fit"]
     if warning := disturbance(fit, "blendserve profile: warning: this profile"):
         print(warning, file=sys.stderr)

@@ -165,6 +165,32 @@ def test_missing_output_directory_exits_2(tmp_path: Path, capsys: pytest.Capture
     assert "no such directory" in capsys.readouterr().err
 
 
+def test_profile_if_missing_keeps_a_current_cached_profile_and_reports_a_new_one(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import runtime.profile as profile_module
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("--if-missing measured where load_or_measure decides")
+
+    calls: list[Path] = []
+    fresh = iter([False, True])
+    new = {"step_model": {"step_fixed_s": 0.01}, "seconds": 30.0,
+           "fit": {"mean_abs_rel_error": 0.04, "calibration_mean_abs_rel_error": 0.03,
+                   "other_load": 0.0}}
+
+    def load_or_measure(engine: Any, data_dir: Path) -> tuple[dict, Path, bool]:
+        calls.append(data_dir)
+        return new, data_dir / "profiles" / "p.json", next(fresh)
+
+    monkeypatch.setattr(profile_module, "measure", never)
+    monkeypatch.setattr(profile_module, "load_or_measure", load_or_measure)
+    assert main(["profile", "--if-missing"]) == 0
+    assert "is current; kept" in capsys.readouterr().err
+    assert main(["profile", "--if-missing"]) == 0  # none cached: measured (and cached) by it
+    assert json.loads(capsys.readouterr().out)["step_fixed_s"] == 0.01
+    assert len(calls) == 2 and calls[0] == Path(os.environ["BLENDSERVE_DATA_DIR"])
+
+
 @pytest.mark.slow
 def test_run_writes_the_plan_report_and_its_plot(tmp_path: Path) -> None:
     system = {"role": "system", "content": "You answer in one word. " * 12}
