@@ -19,6 +19,18 @@ reservation is what wins where outputs do run to max_tokens (`--lengths max`: lo
 2,4,8,16 --seeds 0,1,2,3`, uniform and bimodal: 0.998x (fewshot 16x seed 2: five late starts
 decode alone for 22 steps) to 1.053x (2-core Zen 3 EPYC, float32 profile).
 
+In bfloat16 the pool holds twice the tokens (93.2k on a 2-core Zen 5) and the same place lies a
+step further out. `--scales 3,4,6,8 --seeds 0,1,2,3 --workloads low_sharing,chat`, each of the
+three `--lengths` (96 runs): mean 1.002x, 20 below 1. low_sharing at 3x (144 requests) 0.988-
+0.990x uniform and 0.987-0.989x even with `--lengths max`: the ~14 requests whose max_tokens
+reservation does not fit run a second 256-step wave nearly alone (512 steps), where the
+baselines admit them all and preempt a few (396-408 steps); 4x uniform 0.995-0.998x, max
+1.028-1.031x; bimodal 6x seed 3 0.983x (one long request held by the run-length forecast's two
+deviations until the first wave's long ones end at step ~247: 503 steps against fcfs's 290);
+chat 1.000-1.003x. Tried on these 96, not kept: admitting until the peak bound is 5, 10 or 20%
+past the pool (mean 0.997, 0.994, 0.991x; worst 0.962, 0.941, 0.951x), the forecast at one or
+no deviation (mean 1.0020x, 1.0015x; worst 0.987x; 24 and 26 below 1).
+
     python bench/cpu_scale_sweep.py                                  # scales 1,2,4,16, seeds 0,1
     python bench/cpu_scale_sweep.py --scales 8 --lengths bimodal --workloads low_sharing
 """
