@@ -151,7 +151,8 @@ def profile_main(args: argparse.Namespace) -> int:
         print(f"blendserve profile: error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else cached_profile_path(settings.data_dir, engine)
-    what = f"{engine.model_name} on {engine.model.device} ({str(engine.dtype).removeprefix('torch.')})"
+    dtype = str(engine.dtype).removeprefix("torch.")
+    what = f"{engine.model_name} on {engine.model.device} ({dtype})"
     if args.if_missing and not args.out:
         print(f"blendserve profile: {what}: the cached profile if current, else measured now ...",
               file=sys.stderr)
