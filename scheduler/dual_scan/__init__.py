@@ -76,7 +76,12 @@ best baseline);
   at what they have generated) says, plus two standard deviations; past the longest length
   seen, to its max_tokens. Without a sample, estimates are max_tokens, and a KV-bound batch of
   EOS-ended outputs ran fewer requests at once than it could (simulated low_sharing at 4x and
-  16x: 0.994-0.999 of the best baseline, 0.995-1.001 with the forecast).
+  16x: 0.994-0.999 of the best baseline, 0.995-1.001 with the forecast). Where the lengths left
+  are certain (known, or every output so far ran to its max_tokens) and the batch does not fit
+  at once, a request also starts no sooner than a latest-start packing says (stagger.py):
+  admitted as the peak fits, such a batch runs in waves, the last few requests decoding a
+  whole wave nearly alone. Each request counts its pages' slack (page_slack): in the engine,
+  the packing's peak at the pool's size without it preempted.
 """
 
 from scheduler.dual_scan.memory import KvPeak, MemorySplit, split_memory, steady_prefill

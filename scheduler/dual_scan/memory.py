@@ -11,6 +11,8 @@ import numpy as np
 
 from scheduler.dual_scan.run_lengths import Survival
 
+PAGE_TOKENS = 16  # the engine's KV page (runtime.engine.EngineConfig.page_size)
+
 if TYPE_CHECKING:
     from scheduler.split import Plan
 
@@ -85,6 +87,14 @@ class PlanSums:
                            steady_prefill(m_r, p_r, d_r))
 
 
+def page_slack(prompt: np.ndarray | float, computed: np.ndarray | float) -> np.ndarray | float:
+    """KV slots a request of `prompt` tokens, `computed` of them its own (the rest a cached
+    prefix), holds in the engine's pages beyond its tokens, at most: its last page's empty slots
+    and, where the cached prefix ends inside a page, the slots of it copied into a page of its
+    own (runtime.radix_cache). Sharing-order admission counts them."""
+    return (prompt - computed) % PAGE_TOKENS + PAGE_TOKENS
+
+
 class KvPeak:
     """The most KV a set of running requests will hold: request i holds c_i + t tokens until
     it finishes r_i steps from now, so with r sorted descending the peak is
@@ -111,9 +121,19 @@ class KvPeak:
         """The peak if a request holding `held` tokens now and decoding `left` more joins."""
         return self._peak(*self._insert(held, left))
 
+    def with_requests(self, held: np.ndarray, left: np.ndarray) -> float:
+        """The peak if requests holding `held` tokens now and decoding `left` more join."""
+        h, r = np.concatenate((self._held, held)), np.concatenate((self._left, left))
+        order = np.argsort(-r, kind="stable")
+        return self._peak(h[order], r[order])
+
     def value(self) -> float:
         """The peak of the requests as they are (the base for none)."""
         return self._peak(self._held, self._left)
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """(KV held, steps left) of each request, longest first, and the KV held throughout."""
+        return self._held, self._left, self._base
 
     def add(self, held: float, left: float) -> None:
         self._held, self._left = self._insert(held, left)

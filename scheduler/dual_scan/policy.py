@@ -8,8 +8,16 @@ from collections.abc import Sequence
 import numpy as np
 
 from scheduler.cost_model import CostModel
-from scheduler.dual_scan.memory import KvForecast, KvPeak, MemorySplit, PlanSums, generated_by_now
+from scheduler.dual_scan.memory import (
+    KvForecast,
+    KvPeak,
+    MemorySplit,
+    PlanSums,
+    generated_by_now,
+    page_slack,
+)
 from scheduler.dual_scan.run_lengths import RUN_LEARN_GROWTH, RunLengths
+from scheduler.dual_scan.stagger import Stagger
 from scheduler.errors import PlanningError
 from scheduler.estimate import (
     corrected_estimate,
@@ -29,12 +37,9 @@ WINDOW_LEAVES = 256  # ρ at a cursor: over the leaves that would fill M, at mos
 RIGHT_MAX_SHARE = 0.9  # unless KV limits the steps, the memory side reserves at most this share
 KV_SHORT_FREE_SHARE = 0.05  # where KV limits the steps, free KV the memory side leaves prompts
 # Where KV limits the steps, the memory side admits until the running requests' peak at their
-# estimates is this far past the capacity. An estimate is a mean, so about as many finish early
-# as late and a peak at the estimates leaves KV unread; a request the executor preempts when the
-# peak comes true recomputes on the compute those memory-bound steps leave idle. Simulator, 48
-# runs (20k requests, trace seeds 0-3 x draws 0-2): Σ makespan 33,577 -> 33,485 s (memory traces
-# -105 s, compute_low +15 s), runs under 0.85 of the bound 20 -> 14; 0.05 / 0.15 / 0.2 gained
-# as much on the 16 draw-0 runs.
+# estimates (means: about as many finish early as late) is this far past the capacity; one
+# preempted recomputes on compute the memory-bound steps leave idle. Simulator, 48 runs (20k
+# requests): Σ makespan 33,577 -> 33,485 s, runs under 0.85 of the bound 20 -> 14.
 KV_SHORT_OVERCOMMIT = 0.1
 KV_FORECAST_Z = 2.0  # no overlap: admit while the forecast KV plus this many deviations fits
 MEMORY_HEAVY_RHO = 0.5  # past this density (Comp/Mem) the left cursor's request is memory work
@@ -129,9 +134,8 @@ class BlendPolicy:
 
     # ---------------------------------------------------------------- planning
     def _make_plan(self, run_lengths: dict[int, int] | None = None) -> None:
-        """Estimate every request from the sample (censoring the ones still running) and the
-        lengths the run has shown (`RunLengths.samples`), then order and cost what has not
-        started."""
+        """Estimate every request from the sample (censoring the ones still running) and the run's
+        lengths (`RunLengths.samples`), then order and cost what has not started."""
         lens_of = dict(self._sample_lens)
         for i in self._warm_left:  # past the deadline: at least twice what it has so far
             row = self._run.get(i)
@@ -171,6 +175,7 @@ class BlendPolicy:
         self._crit_next = 0  # first entry of _by_crit that may not have started
         self._jumped = [0.0, 0.0]  # comp, mem of requests started ahead of the cursors
         self._left, self._right = 0, len(plan)
+        self._stagger = Stagger()  # _admit_in_order's latest starts
 
     def _raise_running_estimates(self) -> None:
         """Running requests started on a guess (warm-up filler on the prior) take the plan's
@@ -187,8 +192,7 @@ class BlendPolicy:
 
     def _raise_estimate(self, req: int, row: list[float], new: float) -> None:
         """A running request's new (larger) length estimate: its reservation grows by the
-        difference, its critical-path figure allows for overruns of it. The caller takes the
-        row out of the running sums (`_account`) before and puts it back after."""
+        difference, its critical path allows overruns of it. The caller `_account`s around it."""
         row[1] += new - row[3]
         row[3] = new
         row[5] = max(row[5], min(new * self._overrun, float(self._max_tokens[req])))
@@ -196,15 +200,13 @@ class BlendPolicy:
 
     @property
     def overrun(self) -> float:
-        """How far a request may run past its estimate (estimate.overrun_factor), ≥ 1."""
-        return self._overrun
+        return self._overrun  # how far a request may run past its estimate (≥ 1)
 
     def compute_leads(self, r_comp: float, r_mem: float, steps: float, *,
                       censored: bool = False) -> bool:
         """Whether the remaining compute outweighs the remaining memory work (KV reads plus a
-        weights read per step). `censored`: samples cut off at the deadline still run, so
-        their subtrees' memory work is a lower bound; compute leads only past what it may
-        overrun to (r_mem times the overrun factor)."""
+        weights read per step). `censored`: samples cut off at the deadline still run, so compute
+        leads only past what memory may overrun to (r_mem times the overrun factor)."""
         return r_comp >= r_mem * (self._overrun if censored else 1.0) + self._weights * steps
 
     @property
@@ -245,18 +247,12 @@ class BlendPolicy:
 
     def remaining(self, waiting_prefill_tokens: int, capacity: float,
                   cautious: bool = True) -> tuple[float, float, float]:
-        """(compute s, KV-read s, steps) left in the plan and in flight. Steps: the decode steps
-        the longest request still needs (a running one's overruns allowed for when `cautious`),
-        or the steps the KV reads need when a step reads at most the `capacity` tokens it
-        holds, whichever is more."""
+        """(compute s, KV-read s, steps) left in the plan and in flight. Steps: the longest
+        request's decode steps (a running one's overruns allowed for when `cautious`), or the
+        steps the KV reads need reading at most `capacity` tokens a step, whichever is more."""
         lo, hi = self._left, self._right
-        comp = (
-            self._sums.comp[hi]
-            - self._sums.comp[lo]
-            - self._jumped[0]
-            + self._rem_comp
-            + waiting_prefill_tokens * self._spt
-        )
+        comp = (self._sums.comp[hi] - self._sums.comp[lo] - self._jumped[0] + self._rem_comp
+                + waiting_prefill_tokens * self._spt)
         mem = self._sums.mem[hi] - self._sums.mem[lo] - self._jumped[1] + self._rem_mem
         kv_steps = mem / (max(capacity, 1.0) * self._skv)
         longest = self._longest_running(CRIT if cautious else EST)
@@ -350,9 +346,8 @@ class BlendPolicy:
         assert plan is not None
         self._trim()
         capacity = float(budget.kv_capacity_tokens or self._capacity)
-        split = self._split = (
-            self.memory_split(capacity) if self._left < self._right else self._split
-        )
+        split = self._split = (self.memory_split(capacity) if self._left < self._right
+                               else self._split)
         r_comp, r_mem, steps = self.remaining(budget.waiting_prefill_tokens, capacity)
         # The memory side may read up to τ − W per step, τ = the larger remainder (weights read
         # once a step included) over the critical-path steps: ahead of compute is free while
@@ -370,14 +365,12 @@ class BlendPolicy:
         # 1. Memory side. A request joins it while it fits the read budget (a memory-heavy one
         # skips it where KV is short), its prompt fits the executor's free KV, and the KV the
         # running requests will hold at its peak, as they grow and finish at their estimates,
-        # fits. Unless KV is short, it must also fit M_R (at most RIGHT_MAX_SHARE of the KV,
-        # counting average occupancy: memory-side requests overrun their estimates, and a compute
-        # side shut out of KV leaves steps memory-bound) and the capacity, and the peak must
-        # leave the compute side its share; while compute leads, at most a step of prefill may
-        # be queued. Where KV is short, a long decode holds far less than its average occupancy
-        # for most of its life, so only the peak (up to the whole capacity, KV_SHORT_OVERCOMMIT
-        # past it for a length that is an estimate) and a little free KV for the next prompts
-        # bound the memory side.
+        # fits. Unless KV is short, it must also fit M_R (at most RIGHT_MAX_SHARE of the KV, at
+        # average occupancy: memory-side requests overrun, and a compute side shut out of KV
+        # leaves steps memory-bound) and the capacity, the peak leaving the compute side its
+        # share; while compute leads, at most a step of prefill is queued. Where KV is short, a
+        # long decode holds far less than its average occupancy most of its life: only the peak
+        # (KV_SHORT_OVERCOMMIT past capacity on estimates) and a little free KV bound it.
         m_right = min(split.mem_right, RIGHT_MAX_SHARE * capacity) if split is not None else 0.0
         keep_free = (1.0 - RIGHT_MAX_SHARE) * capacity
         free_margin = KV_SHORT_FREE_SHARE * capacity if kv_short else keep_free
@@ -450,12 +443,10 @@ class BlendPolicy:
         # from the right end instead, longest first: in plan order the longest would start
         # last and decode alone at the end.
         left_room = capacity - min(self._used[RIGHT], RIGHT_MAX_SHARE * capacity) - self._used[LEFT]
-        # Reservations are estimates, and a running request reserves a raised estimate at once
-        # while it holds only its prompt and what it has generated: they may claim more KV than
-        # is held (warm-up filler raised to its subtree's long estimate at the plan). Past them,
-        # a request may take the executor's free KV (less the memory side's margin) where it
-        # does not raise the running requests' KV peak past max(the capacity less that margin,
-        # the peak as it is): a short prompt finishes long before the long decodes have grown.
+        # Reservations (estimates, raised at once) may claim more KV than is held. Past them, a
+        # request may take the executor's free KV less the memory side's margin where it keeps
+        # the KV peak within max(capacity less that margin, the peak as it is): a short prompt
+        # finishes long before the long decodes have grown.
         peak_bound = max(capacity - keep_free, peak.value())
 
         def fits_free(pos: int, need: float) -> bool:
@@ -495,27 +486,22 @@ class BlendPolicy:
         return out
 
     def _admit_in_order(self, budget: StepBudget) -> list[PlanRequest]:
-        """No overlap: the plan's (sharing) order while the KV the running requests will hold
-        at their peak fits: as they grow and finish at their estimates (KvPeak) or, once
-        enough outputs have ended on their own, as the lengths the run has shown forecast it
-        (KvForecast). A request counts the prompt tokens it does not share with the one before
-        it (the first all), at the peak and against the free KV; the KV in use beyond the
-        running requests' own (a prefix whose first holder ended) stays. Admitting on the
-        average occupancy overcommits: the newest is preempted and recomputed as they grow."""
+        """No overlap: the plan's (sharing) order while the running requests' KV peak fits, at
+        their estimates (KvPeak) or as the run's lengths forecast it (KvForecast), and no sooner
+        than `_due`. A request counts its unshared prompt and a page; KV beyond the running
+        requests' own stays. On the average occupancy the newest would be preempted."""
         plan = self._plan
         assert plan is not None
         capacity = float(budget.kv_capacity_tokens or self._capacity)
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
         if self._left >= self._right or (self._run and plan.computed[self._left] > free):
             return []
-        # While censored samples run, every length is allowed its overruns: in sharing order
-        # a preempted request recomputes a prompt its neighbours shared. Progress caught up to
-        # this step: a KV-bound chat batch at 16x bench/cpu_workloads.py's (1,024 requests,
-        # exact lengths) preempted 49-55 requests on lagging reports and none with this
-        # (bench/cpu_scale_sweep.py; the blending path keeps the reports: on the H200 grid the
-        # same made the 48 runs' sum no shorter and their worst compute_high run 0.838 -> 0.823).
-        kv = (None if self._warm_left else self._kv_forecast(capacity - free)) or self._kv_peak(
-            overruns=bool(self._warm_left), caught_up=True, used=capacity - free)
+        # Censored samples running: every length at its overrun allowance (a preempted request
+        # recomputes a shared prompt). Progress caught up to this step: 16x chat, exact lengths,
+        # preempted 49-55 requests on lagging reports, none so (bench/cpu_scale_sweep.py).
+        kv = (None if self._warm_left else self._kv_forecast(capacity - free, paged=True)
+              ) or self._kv_peak(overruns=bool(self._warm_left), caught_up=True,
+                                 used=capacity - free, paged=True)
         out: list[PlanRequest] = []
         while self._left < self._right:
             pos = self._left
@@ -524,38 +510,61 @@ class BlendPolicy:
             d = float(plan.output[pos]) * (self._overrun if self._warm_left else 1.0)
             known = bool(self._known[req] >= 0)
             limit = float(self._known[req] if known else self._max_tokens[req])
-            bound = (kv.with_request(computed, d, limit, known) if isinstance(kv, KvForecast)
-                     else kv.with_request(computed, d))
-            if (self._run or out) and (computed > free or bound > capacity):
+            held = computed + float(page_slack(plan.prompt[pos], computed))
+            bound = (kv.with_request(held, d, limit, known) if isinstance(kv, KvForecast)
+                     else kv.with_request(held, d))
+            if (self._run or out) and (computed > free or bound > capacity
+                                       or pos >= self._due(capacity, capacity - free)):
                 break
             self._left += 1
             if isinstance(kv, KvForecast):
-                kv.add_request(computed, d, limit, known)
+                kv.add_request(held, d, limit, known)
             else:
-                kv.add(computed, d)
+                kv.add(held, d)
             out.append(self._take(pos, LEFT, computed + float(plan.output[pos]) / 2.0))
             self._unshared[req] = computed
             free -= computed
         return out
 
-    def _running(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _due(self, capacity: float, used: float) -> int:
+        """Plan position before which requests may start now (stagger.Stagger, on the lengths
+        where every one left is certain: known, or every output so far ran to max_tokens)."""
+        plan = self._plan
+        assert plan is not None
+        lo, hi = self._left, self._right
+        if self._stagger.stale(self._steps, lo):
+            reqs = plan.order[lo:hi]
+            known = self._known[reqs] >= 0
+            running = (self._kv_peak(overruns=False, caught_up=True, used=used, paged=True)
+                       if known.all() or self._lengths.all_ran_to_max else None)
+            lens = np.where(known, self._known[reqs], self._max_tokens[reqs]).astype(np.float64)
+            self._stagger.pack(self._steps, lo, running, plan.prompt[lo:hi], plan.computed[lo:hi],
+                               lens, capacity)
+        return self._stagger.due(self._steps)
+
+    def _running(self, paged: bool = False) -> tuple[np.ndarray, ...]:
         """Running requests: their ids, the prompt KV each added (in sharing order only the
-        part it does not share), the tokens generated as last reported, and the steps since."""
+        part it does not share; `paged`: with its page_slack), the tokens generated as last
+        reported, and the steps since."""
         rows = list(self._run.items())
         n = len(rows)
-        return (np.fromiter((i for i, _ in rows), np.int64, n),
-                np.fromiter((self._unshared.get(i, row[2]) for i, row in rows), np.float64, n),
+        unshared = np.fromiter((self._unshared.get(i, row[2]) for i, row in rows), np.float64, n)
+        if paged:
+            unshared += page_slack(np.fromiter((row[2] for _, row in rows), np.float64, n),
+                                   unshared)
+        return (np.fromiter((i for i, _ in rows), np.int64, n), unshared,
                 np.fromiter((row[4] for _, row in rows), np.float64, n),
                 np.fromiter((self._steps - self._reported.get(i, self._steps) for i, _ in rows),
                             np.float64, n))
 
-    def _kv_forecast(self, used: float) -> KvForecast | None:
+    def _kv_forecast(self, used: float, paged: bool = False) -> KvForecast | None:
         """The KV in use over the coming steps, `used` now (queued prompts included), as the
         run's lengths forecast the running requests' growth and finishes (KvForecast); None
-        until RunLengths.survival_known. KV beyond the running requests' own tokens stays."""
+        until RunLengths.survival_known. KV beyond the running requests' own tokens stays.
+        `paged`: their pages' slack counted (page_slack)."""
         if not self._lengths.survival_known:
             return None
-        reqs, prompt, generated, lag = self._running()
+        reqs, prompt, generated, lag = self._running(paged)
         known = self._known[reqs] >= 0
         limit = np.where(known, self._known[reqs], self._max_tokens[reqs]).astype(np.float64)
         now = generated_by_now(generated, lag, limit - 1.0)
@@ -564,16 +573,17 @@ class BlendPolicy:
             return None
         held = prompt + now
         forecast = KvForecast(survival, float(self._max_tokens.max()), KV_FORECAST_Z,
-                              used - float(held.sum()))
+                              max(used - float(held.sum()), 0.0))
         forecast.add(held, now, self._lengths.basis(reqs), limit, known)
         return forecast
 
     def _kv_peak(self, *, overruns: bool, caught_up: bool = False,
-                 used: float | None = None) -> KvPeak:
+                 used: float | None = None, paged: bool = False) -> KvPeak:
         """The running requests' KV growth and finishes, at their estimates or allowing for
         overruns; one started in sharing order counts its unshared prompt (and KvPeak's `used`
-        what outlives it). `caught_up`: progress counted to this step (generated_by_now)."""
-        _, prompt, now, lag = self._running()
+        what outlives it). `caught_up`: progress counted to this step (generated_by_now);
+        `paged`: their pages' slack counted (page_slack)."""
+        _, prompt, now, lag = self._running(paged)
         col = CRIT if overruns else EST
         length = np.fromiter((row[col] for row in self._run.values()), np.float64, len(now))
         if caught_up:
@@ -613,15 +623,10 @@ class BlendPolicy:
 
     def _admit_warmup(self, budget: StepBudget) -> list[PlanRequest]:
         """The sample first, then filler (known lengths, then sharing order) while the KV
-        estimate fits and less than a step of prefill is queued. A filler request of unknown
-        length counts as decoding for twice the warm-up's steps (the deadline), when it starts
-        as at the first step: one running through the warm-up is, like a censored sample,
-        expected to run as long again, and a later start says nothing about its length. On the
-        prior alone, a subtree of long generations would fill the KV before the plan knows
-        them; counted only up to the deadline, ~400 filler generations of a compute-heavy batch
-        outgrew the KV after it and shut the compute side out of KV for thousands of
-        memory-bound steps, and counted to twice what was left of the warm-up, the filler that
-        started late did so wherever the warm-up was short."""
+        estimate fits and less than a step of prefill is queued. Filler of unknown length counts
+        as decoding for twice the deadline's steps, like a censored sample: counted only to the
+        deadline, ~400 filler generations of a compute-heavy batch outgrew the KV after it and
+        shut the compute side out for thousands of memory-bound steps."""
         out: list[PlanRequest] = []
         growth = FILLER_GROWTH * float(self.deadline_steps)
         free = float(budget.free_kv_tokens - budget.waiting_prefill_tokens)
@@ -703,11 +708,8 @@ class BlendPolicy:
 
     def _warmup_prefill(self) -> int | None:
         """Warm-up: the sample prefills in full steps (its lengths are what the warm-up is
-        for); then the filler's prefill fills compute to the step's memory time, leaning past it
-        as while compute leads. Which of the two leads is not known before the plan: full
-        filler steps are compute-bound, which a memory-bound batch pays for in full (memory_low
-        spent ~20 s of its first 600 steps so), while a compute-bound batch loses only the
-        slack of a few hundred steps."""
+        for); the filler's prefill fills compute to the step's memory time, leaning past it as
+        if compute led (full filler steps cost memory_low ~20 s of its first 600 steps)."""
         if not self._sample_in:  # once every sample has its first token, it stays so
             self._sample_in = self._warm_next >= len(self._samples) and all(
                 self._run[i][4] > 0 for i in self._samples if i in self._run)
@@ -760,8 +762,7 @@ class BlendPolicy:
         """Track progress; a request past its estimate is re-estimated and charged to the memory
         side (a censored sample's overrun also counts towards a re-plan)."""
         req = self._index.get(request_id)
-        row = self._run.get(req) if req is not None else None
-        if row is None or req is None:
+        if req is None or (row := self._run.get(req)) is None:
             return
         self._account(row, -1.0)
         self._decoding += row[4] == 0 and generated > 0
@@ -782,10 +783,8 @@ class BlendPolicy:
         return self._ahead
 
     def has_pending(self) -> bool:
-        if self._withdrawn:
-            return False
-        if self._plan is None:
-            return True
+        if self._withdrawn or self._plan is None:
+            return not self._withdrawn
         self._trim()
         return self._left < self._right
 

@@ -73,6 +73,12 @@ class RunLengths:
         return out
 
     @property
+    def all_ran_to_max(self) -> bool:
+        """Whether SURVIVAL_MIN_EVENTS outputs of unknown length have finished, every one at
+        its max_tokens (none ended on its own, so `survival` knows nothing)."""
+        return self._ended == 0 and self._finished >= SURVIVAL_MIN_EVENTS
+
+    @property
     def survival_known(self) -> bool:
         """Whether SURVIVAL_MIN_EVENTS outputs have ended on their own (`survival` says more
         than nothing)."""

@@ -18,16 +18,16 @@ passes through, in whole pages, and counts only from `min_pages` pages on, as th
 
 from __future__ import annotations
 
+from scheduler.dual_scan.memory import PAGE_TOKENS
 from scheduler.prefix_tree import PrefixTree
 
-PAGE_SIZE = 16  # the runtime's KV page (EngineConfig.page_size)
 MIN_SHARED_PAGES = 2  # TorchAttention.min_shared_pages
 
 
 class CascadeReads:
     """Decoding requests by prefix-tree path, and the KV reads their groups share."""
 
-    def __init__(self, tree: PrefixTree, page_size: int = PAGE_SIZE,
+    def __init__(self, tree: PrefixTree, page_size: int = PAGE_TOKENS,
                  min_pages: int = MIN_SHARED_PAGES) -> None:
         self._depth: list[int] = tree.depth.tolist()
         self._children: list[list[int]] = [tree.children(v).tolist()
@@ -83,7 +83,7 @@ class SharedReads:
     by each request through that node, one of them first (the runtime's decodes share the
     radix cache's pages of their common prefix, at any depth)."""
 
-    def __init__(self, tree: PrefixTree, page_size: int = PAGE_SIZE) -> None:
+    def __init__(self, tree: PrefixTree, page_size: int = PAGE_TOKENS) -> None:
         depth = tree.depth
         parent_depth = depth - tree.edge_len
         # tokens of the whole pages that end inside each node's edge

@@ -1,0 +1,139 @@
+"""Latest-start packing of a KV-bound batch (scheduler.dual_scan.stagger) and the `blend` policy
+that follows it where the lengths left are certain."""
+
+import numpy as np
+import pytest
+
+from scheduler.dual_scan import BlendPolicy, KvPeak
+from scheduler.dual_scan.run_lengths import SURVIVAL_MIN_EVENTS, RunLengths
+from scheduler.dual_scan.stagger import BLOCK, REPACK_STEPS, Stagger, latest_starts
+from scheduler.prefix_tree import PrefixTree
+from scheduler.simulate.executor import SimConfig, simulate
+from scheduler.simulate.trace import TraceEntry
+from tests.scheduler.factories import make_request, toy_cost
+
+NOTHING_RUNS = KvPeak(np.zeros(0), np.zeros(0))
+
+
+def _peak_kv(starts: np.ndarray, held: float, steps: int) -> float:
+    """The most KV requests of `held` tokens decoding `steps` each hold at once when started
+    at `starts` (a token more each step, from the first)."""
+    end = int(starts.max()) + steps
+    used = np.zeros(end)
+    for s in starts.astype(int):
+        used[s:s + steps] += held + np.arange(1, steps + 1)
+    return float(used.max())
+
+
+def test_a_batch_just_past_the_kv_starts_a_few_requests_now_and_the_rest_staggered():
+    # 40 of 80 KV tokens + 256 output: one wave holds 35, so admitting whenever the peak fits
+    # runs a second 256-step wave for the last 5 (512 steps).
+    n, held, steps = 40, 80.0, 256
+    capacity = 35 * (held + steps)
+    packed = latest_starts(NOTHING_RUNS, np.full(n, held), np.full(n, float(steps)), capacity)
+    assert packed is not None
+    starts, makespan = packed
+    assert np.all(np.diff(starts) >= 0) and starts[0] == 0  # plan order; the first now
+    assert 0 < np.count_nonzero(starts == 0) < n / 2
+    assert makespan < 0.8 * 2 * steps and starts.max() + steps <= makespan
+    assert _peak_kv(starts, held, steps) <= capacity
+
+
+def test_requests_that_all_fit_are_not_held_back():
+    stagger = Stagger()
+    prompt = np.full(10, 64.0)
+    stagger.pack(0, 7, NOTHING_RUNS, prompt, prompt, np.full(10, 100.0), 10_000.0)
+    assert stagger.due(0) == 17
+
+
+def test_no_stagger_where_starting_as_soon_as_each_fits_is_as_short():
+    # Long prompts, one-token outputs: each holds the same KV throughout, waves are optimal.
+    prompt, output = np.full(30, 1_000.0), np.ones(30)
+    assert latest_starts(NOTHING_RUNS, prompt, output, 10_100.0) is None
+    stagger = Stagger()
+    stagger.pack(0, 0, NOTHING_RUNS, prompt, prompt, output, 10_100.0)
+    assert stagger.due(0) == 30  # each starts as soon as it fits
+
+
+def test_requests_pack_around_the_running_ones():
+    # 30 running hold 200 tokens and decode 100 more; 30 waiting (80 + 256) cannot all fit
+    # until they finish.
+    running = KvPeak(np.full(30, 200.0), np.full(30, 100.0))
+    capacity = 36 * 336.0
+    n, held, steps = 30, 80.0, 256
+    packed = latest_starts(running, np.full(n, held), np.full(n, float(steps)), capacity)
+    assert packed is not None
+    starts, _ = packed
+    used = np.zeros(int(starts.max()) + steps)
+    used[:100] += 30 * 200.0 + 30 * np.arange(1, 101)
+    for s in starts.astype(int):
+        used[s:s + steps] += held + np.arange(1, steps + 1)
+    assert used.max() <= capacity
+
+
+def _held_with_prefix(starts: np.ndarray, prompt: np.ndarray, steps: int, prefix: float) -> float:
+    """The most KV held at once when the first two requests share `prefix` tokens of their
+    prompts (held until both have ended) and each holds its own part plus a token a step."""
+    own = prompt - np.array([prefix, prefix, 0.0])
+    end = int(starts.max()) + steps
+    used = np.zeros(end)
+    for s, p in zip(starts.astype(int), own):
+        used[s:s + steps] += p + np.arange(1, steps + 1)
+    used[int(starts[0]):int(starts[:2].max()) + steps] += prefix
+    return float(used.max())
+
+
+def test_a_shared_prefix_stays_held_until_the_last_request_sharing_it_ends():
+    # B shares A's 1,000-token prefix and adds 100; C (2,000) shares nothing. Packed as if
+    # each held only its own tokens, C ends with B past the KV: A has ended, its prefix not.
+    prompt, output = np.array([1116.0, 1116, 2016]), np.full(3, 500.0)  # a page of slack each
+    held, shared = prompt - np.array([0.0, 1000, 0]), np.array([0.0, 1000, 0])
+    unshared = latest_starts(NOTHING_RUNS, held, output, 4_000.0)
+    assert unshared is not None and _held_with_prefix(unshared[0], prompt, 500, 1000) > 4_000
+    packed = latest_starts(NOTHING_RUNS, held, output, 4_000.0, shared=shared)
+    assert packed is not None and _held_with_prefix(packed[0], prompt, 500, 1000) <= 4_000
+    assert packed[1] < 0.98 * 1_000  # waves: A and B, then C after 500 steps
+
+
+def test_the_packing_is_followed_until_stale():
+    n, held, steps = 40, 80.0, 256
+    stagger = Stagger()
+    prompt = np.full(n, held - 16)  # and a page of slack each (page_slack)
+    stagger.pack(100, 0, NOTHING_RUNS, prompt, prompt, np.full(n, float(steps)),
+                 35 * (held + steps))
+    due = [stagger.due(100 + t) for t in range(0, 200, BLOCK)]
+    assert 0 < due[0] < n and due == sorted(due) and due[-1] > due[0]
+    assert not stagger.stale(100 + REPACK_STEPS - 1, 0) and stagger.stale(100 + REPACK_STEPS, 0)
+    assert stagger.stale(101, n)  # every request of the packing has started
+
+
+def test_the_run_knows_every_length_once_enough_ran_to_max_tokens():
+    n = SURVIVAL_MIN_EVENTS + 2
+    lengths = RunLengths(np.full(n, -1), np.full(n, 100))
+    for req in range(SURVIVAL_MIN_EVENTS - 1):
+        lengths.finished(req, 100)
+    assert not lengths.all_ran_to_max  # too few
+    lengths.finished(n - 2, 100)
+    assert lengths.all_ran_to_max
+    lengths.finished(n - 1, 40)  # one ended on its own: lengths are uncertain again
+    assert not lengths.all_ran_to_max
+
+
+def _known_length_run(n=80, capacity=None):
+    """Simulate n requests of known length 256 (64-token prompts) on a device with no overlap,
+    in a KV that holds 90% of them at their peak: (steps, preemptions)."""
+    reqs = [make_request(64, 256, max_tokens=256) for _ in range(n)]
+    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
+    cost = toy_cost()
+    kv = capacity or int(0.9 * n * (64 + 16 + 256))
+    pol = BlendPolicy(reqs, tree=tree, cost_model=cost, kv_capacity_tokens=kv, step_tokens=2048)
+    result = simulate([TraceEntry(r, 256) for r in reqs], pol, cost, SimConfig(kv, 2048), tree)
+    return result.steps, result.preemptions
+
+
+def test_blend_staggers_a_known_length_batch_just_past_the_kv(monkeypatch):
+    steps, preempted = _known_length_run()
+    assert preempted == 0 and steps < 0.8 * 512
+    monkeypatch.setattr("scheduler.dual_scan.stagger.MIN_GAIN", 1.0)  # never stagger
+    waves, preempted = _known_length_run()
+    assert preempted == 0 and waves == pytest.approx(512, abs=8)
