@@ -26,6 +26,7 @@ BLOCK = 4  # steps per time slot of the packing, at least; KV is counted at a sl
 SLOTS = 128  # ... and at most this many slots over the longest request or running decode
 MIN_GAIN = 0.02  # start late only where that ends the batch this much sooner
 REPACK_STEPS = 16  # pack anew this often while requests wait for their start
+MAX_SHARED_SHARE = 0.05  # no packing where prefixes shared with the next hold more of the KV
 
 
 def _footprint(held: float, steps: float, block: int) -> np.ndarray:
@@ -77,10 +78,13 @@ def latest_starts(running: KvPeak, prompt: np.ndarray, output: np.ndarray, capac
     makespan; None where none is found or it is not MIN_GAIN shorter than starting each as
     soon as it fits. `shared`: the prompt tokens each shares with the one before it; what a
     request shares with the next is counted as held throughout, since the request may end
-    first (the whole packing is tried, not where each ends). `guess`: a makespan to search
-    from (the last packing's, less the steps since)."""
+    first, and where that is more than MAX_SHARED_SHARE of the KV (the groups of a chat batch)
+    none is packed. `guess`: a makespan to search from (the last packing's, less the steps
+    since)."""
     if shared is not None:
         tails = np.maximum(np.append(shared[1:], 0.0) - shared, 0.0)
+        if tails.sum() > MAX_SHARED_SHARE * capacity:
+            return None  # held throughout, they would make the packing wrong, not safe
         prompt, capacity = prompt - tails, capacity - float(tails.sum())
     held, left, base = running.rows()
     longest = max(float(np.max(left, initial=0.0)), float(np.max(output, initial=0.0)))

@@ -83,9 +83,10 @@ def _held_with_prefix(starts: np.ndarray, prompt: np.ndarray, steps: int, prefix
     return float(used.max())
 
 
-def test_a_shared_prefix_stays_held_until_the_last_request_sharing_it_ends():
+def test_a_shared_prefix_stays_held_until_the_last_request_sharing_it_ends(monkeypatch):
     # B shares A's 1,000-token prefix and adds 100; C (2,000) shares nothing. Packed as if
     # each held only its own tokens, C ends with B past the KV: A has ended, its prefix not.
+    monkeypatch.setattr("scheduler.dual_scan.stagger.MAX_SHARED_SHARE", 0.25)
     prompt, output = np.array([1116.0, 1116, 2016]), np.full(3, 500.0)  # a page of slack each
     held, shared = prompt - np.array([0.0, 1000, 0]), np.array([0.0, 1000, 0])
     unshared = latest_starts(NOTHING_RUNS, held, output, 4_000.0)
@@ -93,6 +94,18 @@ def test_a_shared_prefix_stays_held_until_the_last_request_sharing_it_ends():
     packed = latest_starts(NOTHING_RUNS, held, output, 4_000.0, shared=shared)
     assert packed is not None and _held_with_prefix(packed[0], prompt, 500, 1000) <= 4_000
     assert packed[1] < 0.98 * 1_000  # waves: A and B, then C after 500 steps
+
+
+def test_no_packing_where_shared_prefixes_would_hold_much_of_the_kv():
+    # 40 requests in groups of 4 on 400-token prefixes, in a KV that holds 88% of them at
+    # their peak: the 4,000 tokens the groups share, counted as held throughout, are a quarter
+    # of it, and the packing would rest on that. It does not pack.
+    n, steps = 40, 256
+    shared = np.array([0.0 if i % 4 == 0 else 400.0 for i in range(n)])
+    held, output = 480.0 - shared, np.full(n, float(steps))
+    capacity = 0.88 * float(np.sum(held + steps))
+    assert latest_starts(NOTHING_RUNS, held, output, capacity) is not None
+    assert latest_starts(NOTHING_RUNS, held, output, capacity, shared=shared) is None
 
 
 def test_the_packing_is_followed_until_stale():
