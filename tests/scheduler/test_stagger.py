@@ -39,6 +39,14 @@ def test_a_batch_just_past_the_kv_starts_a_few_requests_now_and_the_rest_stagger
     assert _peak_kv(starts, held, steps) <= capacity
 
 
+def test_no_packing_far_from_the_end_of_the_batch():
+    # Ten waves' worth: what a packing gains is the last waves', and it costs time in the
+    # number of requests (quadratic over a batch), so the requests start as they fit.
+    n, held, steps = 350, 80.0, 256
+    capacity = 35 * (held + steps)
+    assert latest_starts(NOTHING_RUNS, np.full(n, held), np.full(n, float(steps)), capacity) is None
+
+
 def test_requests_that_all_fit_are_not_held_back():
     stagger = Stagger()
     prompt = np.full(10, 64.0)
