@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import runtime.profile as profile_module
+from runtime.host_load import LoadMeter
 from runtime.profile import (
     CALIBRATION_BUDGET_S,
     CALIBRATION_SIZES,
@@ -256,7 +257,11 @@ def test_a_drift_check_beside_a_busy_process_changes_nothing(
 
     monkeypatch.setattr(profile_module, "check_seconds", check)
     profile = {"fit": {"check_seconds": 1.0}, "step_model": TRUE}
-    assert drift(engine, profile) == pytest.approx(1.3)  # the machine to itself
+    with LoadMeter() as meter:
+        alone = drift(engine, profile)
+    if meter.load is not None and meter.load.disturbed:  # the suite's host is not idle
+        pytest.skip("other processes shared the cores: no reading of the host to itself")
+    assert alone == pytest.approx(1.3)  # the machine to itself
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.2)
