@@ -71,7 +71,7 @@ LENGTHS = ("uniform", "bimodal", "max", "known")
 def output_len(prompt: dict[str, Any], lengths: str, rng: random.Random) -> int:
     """The length a request of the workload runs to in the replay."""
     cap = int(prompt["max_tokens"])
-    if prompt["ignore_eos"] or lengths in ("max", "known"):
+    if prompt["ignore_eos"] or lengths == "max":
         return cap
     if lengths == "bimodal":
         return min(cap, rng.randint(5, 30)) if rng.random() < 0.5 else cap

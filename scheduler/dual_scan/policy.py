@@ -488,8 +488,8 @@ class BlendPolicy:
     def _admit_in_order(self, budget: StepBudget) -> list[PlanRequest]:
         """No overlap: the plan's (sharing) order while the running requests' KV peak fits, at
         their estimates (KvPeak) or as the run's lengths forecast it (KvForecast), and no sooner
-        than `_due`. A request counts its unshared prompt and a page; KV beyond the running
-        requests' own stays. On the average occupancy the newest would be preempted."""
+        than `_due`. A request counts its unshared prompt and its pages' slack; KV beyond the
+        running requests' own stays. On the average occupancy the newest would be preempted."""
         plan = self._plan
         assert plan is not None
         capacity = float(budget.kv_capacity_tokens or self._capacity)
@@ -548,11 +548,10 @@ class BlendPolicy:
         reported, and the steps since."""
         rows = list(self._run.items())
         n = len(rows)
-        unshared = np.fromiter((self._unshared.get(i, row[2]) for i, row in rows), np.float64, n)
+        prompt = np.fromiter((self._unshared.get(i, row[2]) for i, row in rows), np.float64, n)
         if paged:
-            unshared += page_slack(np.fromiter((row[2] for _, row in rows), np.float64, n),
-                                   unshared)
-        return (np.fromiter((i for i, _ in rows), np.int64, n), unshared,
+            prompt += page_slack(np.fromiter((row[2] for _, row in rows), np.float64, n), prompt)
+        return (np.fromiter((i for i, _ in rows), np.int64, n), prompt,
                 np.fromiter((row[4] for _, row in rows), np.float64, n),
                 np.fromiter((self._steps - self._reported.get(i, self._steps) for i, _ in rows),
                             np.float64, n))

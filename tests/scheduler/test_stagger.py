@@ -15,14 +15,13 @@ from tests.scheduler.factories import make_request, toy_cost
 NOTHING_RUNS = KvPeak(np.zeros(0), np.zeros(0))
 
 
-def _peak_kv(starts: np.ndarray, held: float, steps: int) -> float:
-    """The most KV requests of `held` tokens decoding `steps` each hold at once when started
-    at `starts` (a token more each step, from the first)."""
-    end = int(starts.max()) + steps
-    used = np.zeros(end)
-    for s in starts.astype(int):
-        used[s:s + steps] += held + np.arange(1, steps + 1)
-    return float(used.max())
+def _kv_held(starts: np.ndarray, own: np.ndarray | float, steps: int) -> np.ndarray:
+    """KV held at each step by requests holding `own` tokens (each, or all alike) and decoding
+    `steps` each when started at `starts` (a token more each step, from the first)."""
+    used = np.zeros(int(starts.max()) + steps)
+    for s, p in zip(starts.astype(int), np.broadcast_to(own, starts.shape)):
+        used[s:s + steps] += p + np.arange(1, steps + 1)
+    return used
 
 
 def test_a_batch_just_past_the_kv_starts_a_few_requests_now_and_the_rest_staggered():
@@ -36,7 +35,7 @@ def test_a_batch_just_past_the_kv_starts_a_few_requests_now_and_the_rest_stagger
     assert np.all(np.diff(starts) >= 0) and starts[0] == 0  # plan order; the first now
     assert 0 < np.count_nonzero(starts == 0) < n / 2
     assert makespan < 0.8 * 2 * steps and starts.max() + steps <= makespan
-    assert _peak_kv(starts, held, steps) <= capacity
+    assert _kv_held(starts, held, steps).max() <= capacity
 
 
 def test_no_packing_far_from_the_end_of_the_batch():
@@ -72,21 +71,15 @@ def test_requests_pack_around_the_running_ones():
     packed = latest_starts(running, np.full(n, held), np.full(n, float(steps)), capacity)
     assert packed is not None
     starts, _ = packed
-    used = np.zeros(int(starts.max()) + steps)
+    used = _kv_held(starts, held, steps)
     used[:100] += 30 * 200.0 + 30 * np.arange(1, 101)
-    for s in starts.astype(int):
-        used[s:s + steps] += held + np.arange(1, steps + 1)
     assert used.max() <= capacity
 
 
 def _held_with_prefix(starts: np.ndarray, prompt: np.ndarray, steps: int, prefix: float) -> float:
     """The most KV held at once when the first two requests share `prefix` tokens of their
     prompts (held until both have ended) and each holds its own part plus a token a step."""
-    own = prompt - np.array([prefix, prefix, 0.0])
-    end = int(starts.max()) + steps
-    used = np.zeros(end)
-    for s, p in zip(starts.astype(int), own):
-        used[s:s + steps] += p + np.arange(1, steps + 1)
+    used = _kv_held(starts, prompt - np.array([prefix, prefix, 0.0]), steps)
     used[int(starts[0]):int(starts[:2].max()) + steps] += prefix
     return float(used.max())
 
@@ -140,13 +133,13 @@ def test_the_run_knows_every_length_once_enough_ran_to_max_tokens():
     assert not lengths.all_ran_to_max
 
 
-def _known_length_run(n=80, capacity=None):
+def _known_length_run(n=80):
     """Simulate n requests of known length 256 (64-token prompts) on a device with no overlap,
     in a KV that holds 90% of them at their peak: (steps, preemptions)."""
     reqs = [make_request(64, 256, max_tokens=256) for _ in range(n)]
     tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
     cost = toy_cost()
-    kv = capacity or int(0.9 * n * (64 + 16 + 256))
+    kv = int(0.9 * n * (64 + 16 + 256))
     pol = BlendPolicy(reqs, tree=tree, cost_model=cost, kv_capacity_tokens=kv, step_tokens=2048)
     result = simulate([TraceEntry(r, 256) for r in reqs], pol, cost, SimConfig(kv, 2048), tree)
     return result.steps, result.preemptions
