@@ -39,7 +39,7 @@ from scheduler.mix import MixPolicy
 from scheduler.policies import make_policy
 from scheduler.types import AdmissionPolicy, PlanRequest, StepBudget, ahead_of_queue
 
-PROGRESS_EVERY = 16  # tokens between policy.on_progress calls for one request
+PROGRESS_EVERY = 16  # tokens between policy.on_progress calls for one request (and its first)
 MAX_STEP_LOG = 200_000  # steps a long-lived serve() keeps in step_log
 
 
@@ -714,7 +714,7 @@ class Engine:
                 out = self._finish(pol, s, running)
                 if out is not None:
                     outputs.append(out)
-            elif s.generated % PROGRESS_EVERY == 0:
+            elif s.generated == 1 or s.generated % PROGRESS_EVERY == 0:
                 pol.on_progress(s.group.req.id, s.generated)
         return outputs
 

@@ -5,8 +5,8 @@ waves: a request holds its prompt and what it has generated, so a wave fills the
 its end, and what did not fit waits for the whole wave. 144 requests of 256 tokens whose first
 wave held 130 took 512 steps, the last 14 decoding nearly alone. Packed backwards from the end,
 a request holds its most KV where it is placed, so little is wasted: the last requests make a
-full wave, earlier ones start staggered, the first few alone (the same batch: 334 steps in the
-simulator). `Stagger` packs the requests not started so, around the running ones, at the
+full wave, earlier ones start staggered, the first few alone (the same batch: 334 steps, in the
+simulator and in the engine). `Stagger` packs the requests not started so, around the running ones, at the
 shortest makespan it finds; the policy starts none before its packed start, and each only where
 its KV peak fits. A prefix a request shares with the next counts as held throughout (it may end
 before them). It packs only the last two waves' worth: packing every wave of identical requests
