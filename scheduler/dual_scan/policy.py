@@ -499,7 +499,7 @@ class BlendPolicy:
         # Censored samples running: every length at its overrun allowance (a preempted request
         # recomputes a shared prompt). Progress caught up to this step: 16x chat, exact lengths,
         # preempted 49-55 requests on lagging reports, none so (bench/cpu_scale_sweep.py).
-        kv = (None if self._warm_left else self._kv_forecast(capacity - free, paged=True)
+        kv = (None if self._warm_left else self._kv_forecast(capacity - free)
               ) or self._kv_peak(overruns=bool(self._warm_left), caught_up=True,
                                  used=capacity - free, paged=True)
         out: list[PlanRequest] = []
@@ -556,14 +556,14 @@ class BlendPolicy:
                 np.fromiter((self._steps - self._reported.get(i, self._steps) for i, _ in rows),
                             np.float64, n))
 
-    def _kv_forecast(self, used: float, paged: bool = False) -> KvForecast | None:
+    def _kv_forecast(self, used: float) -> KvForecast | None:
         """The KV in use over the coming steps, `used` now (queued prompts included), as the
-        run's lengths forecast the running requests' growth and finishes (KvForecast); None
-        until RunLengths.survival_known. KV beyond the running requests' own tokens stays.
-        `paged`: their pages' slack counted (page_slack)."""
+        run's lengths forecast the running requests' growth and finishes (KvForecast), their
+        pages' slack counted (page_slack); None until RunLengths.survival_known. KV beyond the
+        running requests' own tokens stays."""
         if not self._lengths.survival_known:
             return None
-        reqs, prompt, generated, lag = self._running(paged)
+        reqs, prompt, generated, lag = self._running(paged=True)
         known = self._known[reqs] >= 0
         limit = np.where(known, self._known[reqs], self._max_tokens[reqs]).astype(np.float64)
         now = generated_by_now(generated, lag, limit - 1.0)
@@ -782,8 +782,10 @@ class BlendPolicy:
         return self._ahead
 
     def has_pending(self) -> bool:
-        if self._withdrawn or self._plan is None:
-            return not self._withdrawn
+        if self._withdrawn:
+            return False
+        if self._plan is None:
+            return True  # the warm-up runs: the plan is still to come
         self._trim()
         return self._left < self._right
 

@@ -6,15 +6,15 @@ its end, and what did not fit waits for the whole wave. 144 requests of 256 toke
 wave held 130 took 512 steps, the last 14 decoding nearly alone. Packed backwards from the end,
 a request holds its most KV where it is placed, so little is wasted: the last requests make a
 full wave, earlier ones start staggered, the first few alone (the same batch: 334 steps, in the
-simulator and in the engine). `Stagger` packs the requests not started so, around the running ones, at the
-shortest makespan it finds; the policy starts none before its packed start, and each only where
-its KV peak fits. A prefix a request shares with the next counts as held throughout (it may end
-before them). It packs only the last two waves' worth: packing every wave of identical requests
-takes 15-30% fewer steps, but on this CPU's KV-read-bound steps that was 0.5-0.7% of the seconds
-(low_sharing 16x and 64x), and the packing's cost grows with the square of the batch. It packs
-only lengths that are certain (known, or every output so far ran to max_tokens): on estimates,
-the first wave of a batch whose lengths were unknown reserves max_tokens, and staggering on that
-put uniform lengths 2-4% behind.
+simulator and in the engine). `Stagger` packs the requests not started so, around the running
+ones, at the shortest makespan it finds; the policy starts none before its packed start, and
+each only where its KV peak fits. A prefix a request shares with the next counts as held
+throughout (it may end before them). It packs only the last two waves' worth: packing every wave
+of identical requests takes 15-30% fewer steps, but on this CPU's KV-read-bound steps that was
+0.5-0.7% of the seconds (low_sharing 16x and 64x), and the packing's cost grows with the square
+of the batch. It packs only lengths that are certain (known, or every output so far ran to
+max_tokens): on estimates, the first wave of a batch whose lengths were unknown reserves
+max_tokens, and staggering on that put uniform lengths 2-4% behind.
 """
 
 from __future__ import annotations
