@@ -527,8 +527,8 @@ class BlendPolicy:
         return out
 
     def _due(self, capacity: float, used: float) -> int:
-        """Plan position before which requests may start now (stagger.Stagger, on the lengths
-        where every one left is certain: known, or every output so far ran to max_tokens)."""
+        """Plan position before which requests may start now (stagger.Stagger on the lengths
+        known, else max_tokens; where all are known or RunLengths.may_all_run_to_max)."""
         plan = self._plan
         assert plan is not None
         lo, hi = self._left, self._right
@@ -536,7 +536,7 @@ class BlendPolicy:
             reqs = plan.order[lo:hi]
             known = self._known[reqs] >= 0
             running = (self._kv_peak(overruns=False, caught_up=True, used=used, paged=True)
-                       if known.all() or self._lengths.all_ran_to_max else None)
+                       if known.all() or self._lengths.may_all_run_to_max else None)
             lens = np.where(known, self._known[reqs], self._max_tokens[reqs]).astype(np.float64)
             self._stagger.pack(self._steps, lo, running, plan.prompt[lo:hi], plan.computed[lo:hi],
                                lens, capacity)

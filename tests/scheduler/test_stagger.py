@@ -1,11 +1,11 @@
 """Latest-start packing of a KV-bound batch (scheduler.dual_scan.stagger) and the `blend` policy
-that follows it where the lengths left are certain."""
+that follows it where the lengths left are known or may all be max_tokens."""
 
 import numpy as np
 import pytest
 
 from scheduler.dual_scan import BlendPolicy, KvPeak
-from scheduler.dual_scan.run_lengths import SURVIVAL_MIN_EVENTS, RunLengths
+from scheduler.dual_scan.run_lengths import EARLY_ENDS, SURVIVAL_MIN_EVENTS, RunLengths
 from scheduler.dual_scan.stagger import BLOCK, REPACK_STEPS, Stagger, latest_starts
 from scheduler.prefix_tree import PrefixTree
 from scheduler.simulate.executor import SimConfig, simulate
@@ -121,22 +121,40 @@ def test_the_packing_is_followed_until_stale():
     assert stagger.stale(101, n)  # every request of the packing has started
 
 
-def test_the_run_knows_every_length_once_enough_ran_to_max_tokens():
-    n = SURVIVAL_MIN_EVENTS + 2
+def test_outputs_may_all_run_to_max_tokens_until_the_run_shows_them_ending_early():
+    n = 40
     lengths = RunLengths(np.full(n, -1), np.full(n, 100))
-    for req in range(SURVIVAL_MIN_EVENTS - 1):
+    assert lengths.may_all_run_to_max  # nothing has run
+    for req in range(n):
+        lengths.started(req, 0, 100.0)
+    for req in range(EARLY_ENDS - 1):
+        lengths.finished(req, 30)
+    for req in range(10, 30):
         lengths.finished(req, 100)
-    assert not lengths.all_ran_to_max  # too few
-    lengths.finished(n - 2, 100)
-    assert lengths.all_ran_to_max
-    lengths.finished(n - 1, 40)  # one ended on its own: lengths are uncertain again
-    assert not lengths.all_ran_to_max
+    assert lengths.may_all_run_to_max  # three early ends of 40: what a run mostly to max shows
+    lengths.finished(n - 1, 30)
+    assert lengths.may_all_run_to_max  # four, under a fifth of those started
+    for req in range(n - 2, n - 5, -1):
+        lengths.finished(req, 30)
+    assert lengths.may_all_run_to_max  # seven
+    lengths.finished(n - 5, 30)
+    assert not lengths.may_all_run_to_max  # eight of 40: a fifth
 
 
-def _known_length_run(n=80):
-    """Simulate n requests of known length 256 (64-token prompts) on a device with no overlap,
-    in a KV that holds 90% of them at their peak: (steps, preemptions)."""
-    reqs = [make_request(64, 256, max_tokens=256) for _ in range(n)]
+def test_early_ends_past_the_survival_threshold_end_the_bet_on_max_tokens():
+    n = 200
+    lengths = RunLengths(np.full(n, -1), np.full(n, 100))
+    for req in range(n):
+        lengths.started(req, 0, 100.0)
+    for req in range(SURVIVAL_MIN_EVENTS):
+        lengths.finished(req, 30)  # 16 of 200: under a fifth, but a survival curve
+    assert not lengths.may_all_run_to_max
+
+
+def _known_length_run(n=80, known=True):
+    """Simulate n requests of length 256 (64-token prompts; known, or max_tokens) on a device
+    with no overlap, in a KV that holds 90% of them at their peak: (steps, preemptions)."""
+    reqs = [make_request(64, 256 if known else None, max_tokens=256) for _ in range(n)]
     tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
     cost = toy_cost()
     kv = int(0.9 * n * (64 + 16 + 256))
@@ -150,4 +168,12 @@ def test_blend_staggers_a_known_length_batch_just_past_the_kv(monkeypatch):
     assert preempted == 0 and steps < 0.8 * 512
     monkeypatch.setattr("scheduler.dual_scan.stagger.MIN_GAIN", 1.0)  # never stagger
     waves, preempted = _known_length_run()
+    assert preempted == 0 and waves == pytest.approx(512, abs=8)
+
+
+def test_blend_staggers_a_batch_of_unknown_lengths_that_run_to_max_tokens(monkeypatch):
+    steps, preempted = _known_length_run(known=False)
+    assert preempted == 0 and steps < 0.8 * 512
+    monkeypatch.setattr("scheduler.dual_scan.stagger.MIN_GAIN", 1.0)  # never stagger
+    waves, preempted = _known_length_run(known=False)
     assert preempted == 0 and waves == pytest.approx(512, abs=8)
