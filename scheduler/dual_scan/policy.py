@@ -87,6 +87,8 @@ class BlendPolicy:
             [-1 if r.known_output_len is None else r.known_output_len for r in self._reqs],
             dtype=np.int64,
         )
+        # the most tokens each may generate: its known length, else its max_tokens
+        self._limit = np.where(self._known >= 0, self._known, self._max_tokens).astype(np.float64)
         self._priors, self._groups = length_groups(self._reqs)  # structured outputs apart
         self._est = prior_lengths(self._max_tokens, self._known, self._priors)
         warm = plan_warmup(tree, self._max_tokens, self._known, rate=sample_rate, seed=seed,
@@ -509,7 +511,7 @@ class BlendPolicy:
             computed = float(plan.computed[pos] if out or self._run else plan.prompt[pos])
             d = float(plan.output[pos]) * (self._overrun if self._warm_left else 1.0)
             known = bool(self._known[req] >= 0)
-            limit = float(self._known[req] if known else self._max_tokens[req])
+            limit = float(self._limit[req])
             held = computed + float(page_slack(plan.prompt[pos], computed))
             bound = (kv.with_request(held, d, limit, known) if isinstance(kv, KvForecast)
                      else kv.with_request(held, d))
@@ -534,12 +536,11 @@ class BlendPolicy:
         lo, hi = self._left, self._right
         if self._stagger.stale(self._steps, lo):
             reqs = plan.order[lo:hi]
-            known = self._known[reqs] >= 0
             running = (self._kv_peak(overruns=False, caught_up=True, used=used, paged=True)
-                       if known.all() or self._lengths.may_all_run_to_max else None)
-            lens = np.where(known, self._known[reqs], self._max_tokens[reqs]).astype(np.float64)
+                       if (self._known[reqs] >= 0).all() or self._lengths.may_all_run_to_max
+                       else None)
             self._stagger.pack(self._steps, lo, running, plan.prompt[lo:hi], plan.computed[lo:hi],
-                               lens, capacity)
+                               self._limit[reqs], capacity)
         return self._stagger.due(self._steps)
 
     def _running(self, paged: bool = False) -> tuple[np.ndarray, ...]:
@@ -565,7 +566,7 @@ class BlendPolicy:
             return None
         reqs, prompt, generated, lag = self._running(paged=True)
         known = self._known[reqs] >= 0
-        limit = np.where(known, self._known[reqs], self._max_tokens[reqs]).astype(np.float64)
+        limit = self._limit[reqs]
         now = generated_by_now(generated, lag, limit - 1.0)
         survival = self._lengths.survival(reqs, now)
         if survival is None:

@@ -134,7 +134,7 @@ def test_outputs_may_all_run_to_max_tokens_until_the_run_shows_them_ending_early
     assert lengths.may_all_run_to_max  # three early ends of 40: what a run mostly to max shows
     lengths.finished(n - 1, 30)
     assert lengths.may_all_run_to_max  # four, under a fifth of those started
-    for req in range(n - 2, n - 5, -1):
+    for req in (n - 2, n - 3, n - 4):
         lengths.finished(req, 30)
     assert lengths.may_all_run_to_max  # seven
     lengths.finished(n - 5, 30)
@@ -151,9 +151,10 @@ def test_early_ends_past_the_survival_threshold_end_the_bet_on_max_tokens():
     assert not lengths.may_all_run_to_max
 
 
-def _known_length_run(n=80, known=True):
-    """Simulate n requests of length 256 (64-token prompts; known, or max_tokens) on a device
-    with no overlap, in a KV that holds 90% of them at their peak: (steps, preemptions)."""
+def _run_to_max_tokens(known: bool, n: int = 80) -> tuple[int, int]:
+    """Simulate n requests that run to their max_tokens of 256 (64-token prompts; the length
+    known, or not) on a device with no overlap, in a KV that holds 90% of them at their peak:
+    (steps, preemptions)."""
     reqs = [make_request(64, 256 if known else None, max_tokens=256) for _ in range(n)]
     tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
     cost = toy_cost()
@@ -163,17 +164,11 @@ def _known_length_run(n=80, known=True):
     return result.steps, result.preemptions
 
 
-def test_blend_staggers_a_known_length_batch_just_past_the_kv(monkeypatch):
-    steps, preempted = _known_length_run()
+@pytest.mark.parametrize("known", [True, False], ids=["known", "unknown"])
+def test_blend_staggers_a_batch_just_past_the_kv_that_runs_to_max_tokens(monkeypatch, known):
+    # Unknown lengths: the bet on max_tokens holds, as no output ends early.
+    steps, preempted = _run_to_max_tokens(known)
     assert preempted == 0 and steps < 0.8 * 512
     monkeypatch.setattr("scheduler.dual_scan.stagger.MIN_GAIN", 1.0)  # never stagger
-    waves, preempted = _known_length_run()
-    assert preempted == 0 and waves == pytest.approx(512, abs=8)
-
-
-def test_blend_staggers_a_batch_of_unknown_lengths_that_run_to_max_tokens(monkeypatch):
-    steps, preempted = _known_length_run(known=False)
-    assert preempted == 0 and steps < 0.8 * 512
-    monkeypatch.setattr("scheduler.dual_scan.stagger.MIN_GAIN", 1.0)  # never stagger
-    waves, preempted = _known_length_run(known=False)
+    waves, preempted = _run_to_max_tokens(known)
     assert preempted == 0 and waves == pytest.approx(512, abs=8)
