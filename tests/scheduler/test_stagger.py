@@ -24,18 +24,36 @@ def _kv_held(starts: np.ndarray, own: np.ndarray | float, steps: int) -> np.ndar
     return used
 
 
-def test_a_batch_just_past_the_kv_starts_a_few_requests_now_and_the_rest_staggered():
-    # 40 of 80 KV tokens + 256 output: one wave holds 35, so admitting whenever the peak fits
-    # runs a second 256-step wave for the last 5 (512 steps).
-    n, held, steps = 40, 80.0, 256
-    capacity = 35 * (held + steps)
-    packed = latest_starts(NOTHING_RUNS, np.full(n, held), np.full(n, float(steps)), capacity)
+# 40 requests of 80 KV tokens + 256 output, in a KV where one wave holds 35: admitting
+# whenever the peak fits runs a second 256-step wave for the last 5 (512 steps).
+N, HELD, STEPS = 40, 80.0, 256
+CAPACITY = 35 * (HELD + STEPS)
+
+
+def _packed_past_the_kv() -> tuple[np.ndarray, float]:
+    packed = latest_starts(NOTHING_RUNS, np.full(N, HELD), np.full(N, float(STEPS)), CAPACITY)
     assert packed is not None
-    starts, makespan = packed
+    return packed
+
+
+def test_a_batch_just_past_the_kv_starts_a_few_requests_now_and_the_rest_staggered():
+    starts, makespan = _packed_past_the_kv()
     assert np.all(np.diff(starts) >= 0) and starts[0] == 0  # plan order; the first now
-    assert 0 < np.count_nonzero(starts == 0) < n / 2
-    assert makespan < 0.8 * 2 * steps and starts.max() + steps <= makespan
-    assert _kv_held(starts, held, steps).max() <= capacity
+    assert 0 < np.count_nonzero(starts == 0) < N / 2
+    assert makespan < 0.8 * 2 * STEPS and starts.max() + STEPS <= makespan
+    assert _kv_held(starts, HELD, STEPS).max() <= CAPACITY
+
+
+def test_each_request_starts_as_soon_as_the_cache_has_room_within_the_makespan():
+    # Packed backwards, the first requests started alone, one a block apart; each now starts
+    # where one block sooner would overflow the KV (or pass the one before it), so more of
+    # them start now and early ends show sooner. The makespan stays.
+    starts, makespan = _packed_past_the_kv()
+    assert np.count_nonzero(starts == 0) > 1 and starts.max() + STEPS <= makespan
+    for j in np.flatnonzero(starts > 0):
+        sooner = starts.copy()
+        sooner[j] -= BLOCK
+        assert sooner[j] < starts[j - 1] or _kv_held(sooner, HELD, STEPS).max() > CAPACITY
 
 
 def test_no_packing_far_from_the_end_of_the_batch():
