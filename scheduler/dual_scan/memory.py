@@ -95,6 +95,31 @@ def page_slack(prompt: np.ndarray | float, computed: np.ndarray | float) -> np.n
     return (prompt - computed) % PAGE_TOKENS + PAGE_TOKENS
 
 
+# A small tail starts whatever its forecast (small_tail): its prompts take at most this share
+# of the free KV. At 0.4-0.6 the same on bench/cpu_scale_sweep.py's bimodal runs; at 0.75 and
+# 1 the tail's growth preempted more (bimodal mean 0.9998x and 0.9996x, was 1.0009x).
+TAIL_SHARE = 0.5
+# ... where recomputing one of its requests (a preemption) costs at most this share of the
+# steps the tail would decode alone: on a 2-core CPU 0.1 (SmolLM2: 12 ms a step, 0.42 ms a
+# token), on a device whose steps cost little more than a token (tests' toy: 1.25) the tail's
+# preemptions cost more than its steps (fewer steps, 2-20% longer).
+TAIL_RECOMPUTE = 0.25
+
+
+def small_tail(prompt: np.ndarray, computed: np.ndarray, limit: np.ndarray, free: float,
+               token_s: float, step_s: float) -> bool:
+    """Whether requests not started (`prompt` tokens, `computed` of them not shared) take at
+    most TAIL_SHARE of the `free` KV with their pages' slack. Where the run's lengths are
+    uncertain, the forecast's deviations may hold such a tail until the running requests end
+    (bimodal outputs, low_sharing 6x: the last 10 of 288 started after 256 steps, and decoded
+    alone for 256 more, 512 steps where fcfs took 290); started at once, a request that
+    outgrows the KV is preempted, recomputes and keeps what it generated (311 steps)."""
+    held = float(np.sum(computed + page_slack(prompt, computed)))
+    recompute = float(np.max(prompt + limit, initial=0.0)) * token_s  # one preempted at its limit
+    alone = float(np.max(limit, initial=0.0)) * step_s  # the steps of a tail held to the end
+    return held <= TAIL_SHARE * free and recompute <= TAIL_RECOMPUTE * alone
+
+
 class KvPeak:
     """The most KV a set of running requests will hold: request i holds c_i + t tokens until
     it finishes r_i steps from now, so with r sorted descending the peak is

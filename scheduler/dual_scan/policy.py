@@ -15,6 +15,7 @@ from scheduler.dual_scan.memory import (
     PlanSums,
     generated_by_now,
     page_slack,
+    small_tail,
 )
 from scheduler.dual_scan.run_lengths import RUN_LEARN_GROWTH, RunLengths
 from scheduler.dual_scan.stagger import Stagger
@@ -490,8 +491,9 @@ class BlendPolicy:
     def _admit_in_order(self, budget: StepBudget) -> list[PlanRequest]:
         """No overlap: the plan's (sharing) order while the running requests' KV peak fits, at
         their estimates (KvPeak) or as the run's lengths forecast it (KvForecast), and no sooner
-        than `_due`. A request counts its unshared prompt and its pages' slack; KV beyond the
-        running requests' own stays. On the average occupancy the newest would be preempted."""
+        than `_due`; a small tail (memory.small_tail) whatever the forecast. A request counts its
+        unshared prompt and its pages' slack; KV beyond the running requests' own stays. On the
+        average occupancy the newest would be preempted."""
         plan = self._plan
         assert plan is not None
         capacity = float(budget.kv_capacity_tokens or self._capacity)
@@ -504,6 +506,10 @@ class BlendPolicy:
         kv = (None if self._warm_left else self._kv_forecast(capacity - free)
               ) or self._kv_peak(overruns=bool(self._warm_left), caught_up=True,
                                  used=capacity - free, paged=True)
+        left = slice(self._left, self._right)  # not started
+        tail = isinstance(kv, KvForecast) and small_tail(
+            plan.prompt[left], plan.computed[left], self._limit[plan.order[left]], free, self._spt,
+            self._cost.step_fixed_s)
         out: list[PlanRequest] = []
         while self._left < self._right:
             pos = self._left
@@ -515,7 +521,7 @@ class BlendPolicy:
             held = computed + float(page_slack(plan.prompt[pos], computed))
             bound = (kv.with_request(held, d, limit, known) if isinstance(kv, KvForecast)
                      else kv.with_request(held, d))
-            if (self._run or out) and (computed > free or bound > capacity
+            if (self._run or out) and (computed > free or (bound > capacity and not tail)
                                        or pos >= self._due(capacity, capacity - free)):
                 break
             self._left += 1

@@ -190,3 +190,34 @@ def test_blend_staggers_a_batch_just_past_the_kv_that_runs_to_max_tokens(monkeyp
     monkeypatch.setattr("scheduler.dual_scan.stagger.MIN_GAIN", 1.0)  # never stagger
     waves, preempted = _run_to_max_tokens(known)
     assert preempted == 0 and waves == pytest.approx(512, abs=8)
+
+
+def _bimodal_run(cost, n: int = 120) -> tuple[int, int, float]:
+    """Simulate n requests of 64-token prompts and max_tokens 256 of unknown length, half of
+    them ending within 30 tokens and half running to 256, in a KV that holds 70% of their
+    peaks: (steps, preemptions, seconds)."""
+    rng = np.random.default_rng(0)
+    outs = [int(rng.integers(5, 31)) if rng.random() < 0.5 else 256 for _ in range(n)]
+    reqs = [make_request(64, None, max_tokens=256) for _ in range(n)]
+    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
+    kv = int(0.7 * sum(64 + 16 + o for o in outs))
+    pol = BlendPolicy(reqs, tree=tree, cost_model=cost, kv_capacity_tokens=kv, step_tokens=2048)
+    result = simulate([TraceEntry(r, o) for r, o in zip(reqs, outs)], pol, cost, SimConfig(kv, 2048),
+                      tree)
+    return result.steps, result.preemptions, result.makespan_s
+
+
+def test_a_small_tail_starts_where_a_preemption_costs_less_than_its_steps(monkeypatch):
+    # Steps that cost 100x a token (a weights read; a CPU's are ~30x): the forecast would hold
+    # the last requests until the long half ends, then they decode alone (512 steps); started,
+    # a few are preempted, recompute and keep what they generated.
+    slow_steps = toy_cost(bandwidth=1e10)
+    steps, preempted, seconds = _bimodal_run(slow_steps)
+    assert steps < 0.7 * 512 and preempted <= 4
+    monkeypatch.setattr("scheduler.dual_scan.memory.TAIL_SHARE", 0.0)
+    held, _, held_seconds = _bimodal_run(slow_steps)
+    assert held > 480 and seconds < 0.95 * held_seconds
+    # Steps that cost about a token: the preemptions would cost more than the steps saved.
+    monkeypatch.undo()
+    steps, preempted, _ = _bimodal_run(toy_cost())
+    assert steps > 480 and preempted == 0
