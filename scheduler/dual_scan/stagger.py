@@ -25,7 +25,7 @@ only known lengths or after 16 outputs all ran to max_tokens, on `bench/cpu_scal
 run), max and mostly_max 0.35% ahead (up to +2.2% a run; worst runs 0.986x and 0.969x -> 1.000x
 and 0.988x the best baseline). Moving each start as early as the cache has room (`_sooner`)
 lets more start at once and so shows early ends sooner (bimodal 6x: the bet called off at step
-16, not 48): of the sweep's 704 runs (5 modes at scales 3-8 seeds 0-3, 4 modes at 2-12 seeds
+16, not 48): of the sweep's 448 runs (5 modes at scales 3-8 seeds 0-3, 4 modes at 2-12 seeds
 4-7 with long_short), 25 faster, up to 0.7% (bimodal 3x), and one slower, bimodal 6x seed 3
 (-1.3%: a forecast holds the last requests until the first wave ends, as it did before).
 """
