@@ -62,6 +62,7 @@ class PlanSums:
         self.computed = cum(plan.computed)
         self.prompt = cum(plan.prompt)
         self.out = cum(plan.output)
+        self.held = cum(plan.computed + page_slack(plan.prompt, plan.computed))  # KV each adds
 
     def window(self, lo: int, hi: int) -> tuple[float, float, float]:
         """(ρ, p̄ computed, d̄) over plan positions [lo, hi)."""
@@ -70,6 +71,18 @@ class PlanSums:
         n = max(hi - lo, 1)
         rho = comp / mem if mem > 0 else float("inf")
         return (rho, (self.computed[hi] - self.computed[lo]) / n, (self.out[hi] - self.out[lo]) / n)
+
+    def prefill_token_s(self, lo: int, hi: int, s_token: float, s_row: float) -> float:
+        """Compute seconds of one prefill token over plan positions [lo, hi): the linear layers
+        (`s_token` a token) plus its share of the prompts' attention (which a long prompt makes
+        a few percent more); `s_row`: a decode row's cost beyond its token."""
+        computed = self.computed[hi] - self.computed[lo]
+        if computed <= 0:
+            return s_token
+        out = self.out[hi] - self.out[lo]
+        linear = computed * s_token + out * (s_token + s_row)
+        attention = self.comp[hi] - self.comp[lo] - linear
+        return s_token + max(attention, 0.0) / computed
 
     def memory_split(self, lo: int, hi: int, capacity: float, leaves: int) -> MemorySplit:
         """Densities at the cursors `lo` and `hi` (over the requests that would fill the
@@ -106,18 +119,23 @@ TAIL_SHARE = 0.5
 TAIL_RECOMPUTE = 0.25
 
 
-def small_tail(prompt: np.ndarray, computed: np.ndarray, limit: np.ndarray, free: float,
+def small_tail(held: float, free: float, prompt: np.ndarray, order: np.ndarray, limit: np.ndarray,
                token_s: float, step_s: float) -> bool:
-    """Whether requests not started (`prompt` tokens, `computed` of them not shared) take at
-    most TAIL_SHARE of the `free` KV with their pages' slack. Where the run's lengths are
-    uncertain, the forecast's deviations may hold such a tail until the running requests end
-    (bimodal outputs, low_sharing 6x: the last 10 of 288 started after 256 steps, and decoded
-    alone for 256 more, 512 steps where fcfs took 290); started at once, a request that
-    outgrows the KV is preempted, recomputes and keeps what it generated (311 steps)."""
-    held = float(np.sum(computed + page_slack(prompt, computed)))
-    recompute = float(np.max(prompt + limit, initial=0.0)) * token_s  # one preempted at its limit
-    alone = float(np.max(limit, initial=0.0)) * step_s  # the steps of a tail held to the end
-    return held <= TAIL_SHARE * free and recompute <= TAIL_RECOMPUTE * alone
+    """Whether the requests not started (plan positions with `prompt` tokens and request ids
+    `order`; `limit`: each request's most tokens, by id), adding `held` KV with their pages'
+    slack (PlanSums.held), take at most TAIL_SHARE of the `free` KV, and recomputing one costs
+    at most TAIL_RECOMPUTE of the steps they would decode alone (read only where they are few:
+    a step's admission asks). Where the run's lengths are uncertain, the forecast's deviations
+    may hold such a tail until the running requests end (bimodal outputs, low_sharing 6x: the
+    last 10 of 288 started after 256 steps, and decoded alone for 256 more, 512 steps where
+    fcfs took 290); started at once, a request that outgrows the KV is preempted, recomputes
+    and keeps what it generated (311 steps)."""
+    if held > TAIL_SHARE * free:
+        return False
+    lim = limit[order]
+    recompute = float(np.max(prompt + lim, initial=0.0)) * token_s  # one preempted at its limit
+    alone = float(np.max(lim, initial=0.0)) * step_s  # the steps of a tail held to the end
+    return recompute <= TAIL_RECOMPUTE * alone
 
 
 class KvPeak:

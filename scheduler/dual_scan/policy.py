@@ -506,10 +506,10 @@ class BlendPolicy:
         kv = (None if self._warm_left else self._kv_forecast(capacity - free)
               ) or self._kv_peak(overruns=bool(self._warm_left), caught_up=True,
                                  used=capacity - free, paged=True)
-        left = slice(self._left, self._right)  # not started
+        lo, hi = self._left, self._right  # not started
         tail = isinstance(kv, KvForecast) and small_tail(
-            plan.prompt[left], plan.computed[left], self._limit[plan.order[left]], free, self._spt,
-            self._cost.step_fixed_s)
+            self._sums.held[hi] - self._sums.held[lo], free, plan.prompt[lo:hi],
+            plan.order[lo:hi], self._limit, self._spt, self._cost.step_fixed_s)
         out: list[PlanRequest] = []
         while self._left < self._right:
             pos = self._left
@@ -613,19 +613,11 @@ class BlendPolicy:
         return max((seconds - decoding * self._spt) / self._prefill_token_s(), 0.0)
 
     def _prefill_token_s(self) -> float:
-        """Compute seconds of one prefill token at the left cursor: the linear layers plus its
-        share of the prompt's attention (which a long prompt makes a few percent more)."""
+        """Compute seconds of one prefill token at the left cursor (PlanSums.prefill_token_s)."""
         if self._plan is None:
             return self._spt
-        lo = self._left
-        hi = min(self._right, lo + WINDOW_LEAVES)
-        computed = self._sums.computed[hi] - self._sums.computed[lo]
-        if computed <= 0:
-            return self._spt
-        out = self._sums.out[hi] - self._sums.out[lo]
-        linear = computed * self._spt + out * (self._spt + self._cost.seconds_per_row)
-        attention = self._sums.comp[hi] - self._sums.comp[lo] - linear
-        return self._spt + max(attention, 0.0) / computed
+        hi = min(self._right, self._left + WINDOW_LEAVES)
+        return self._sums.prefill_token_s(self._left, hi, self._spt, self._cost.seconds_per_row)
 
     def _admit_warmup(self, budget: StepBudget) -> list[PlanRequest]:
         """The sample first, then filler (known lengths, then sharing order) while the KV

@@ -72,6 +72,13 @@ def _latest(running: np.ndarray, prints: list[np.ndarray], capacity: float,
     return starts
 
 
+def _first_fit(used: np.ndarray, f: np.ndarray, t: int, stop: int, capacity: float) -> int:
+    """The first slot from `t` at which footprint `f` fits on `used`, or `stop` if none before."""
+    while t < stop and np.any(used[t:t + len(f)] + f > capacity):
+        t += 1
+    return t
+
+
 def _sooner(running: np.ndarray, prints: list[np.ndarray], capacity: float,
             starts: np.ndarray) -> np.ndarray:
     """`starts` (non-decreasing) each moved as early as it fits, in plan order: the makespan
@@ -85,9 +92,7 @@ def _sooner(running: np.ndarray, prints: list[np.ndarray], capacity: float,
     for j, f in enumerate(prints):
         s = int(starts[j])
         used[s:s + len(f)] -= f
-        t = prev
-        while t < s and np.any(used[t:t + len(f)] + f > capacity):
-            t += 1
+        t = _first_fit(used, f, prev, s, capacity)
         used[t:t + len(f)] += f
         out[j] = prev = t
     return out
@@ -100,8 +105,7 @@ def _earliest_end(running: np.ndarray, prints: list[np.ndarray], capacity: float
     used[:len(running)] = running
     s = end = 0
     for f in prints:
-        while s < max(len(running), end) and np.any(used[s:s + len(f)] + f > capacity):
-            s += 1
+        s = _first_fit(used, f, s, max(len(running), end), capacity)
         used[s:s + len(f)] += f
         end = max(end, s + len(f))
     return max(end, len(running))
