@@ -174,12 +174,16 @@ def _run_to_max_tokens(known: bool, n: int = 80) -> tuple[int, int]:
     known, or not) on a device with no overlap, in a KV that holds 90% of them at their peak:
     (steps, preemptions)."""
     reqs = [make_request(64, 256 if known else None, max_tokens=256) for _ in range(n)]
-    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
-    cost = toy_cost()
-    kv = int(0.9 * n * (64 + 16 + 256))
-    pol = BlendPolicy(reqs, tree=tree, cost_model=cost, kv_capacity_tokens=kv, step_tokens=2048)
-    result = simulate([TraceEntry(r, 256) for r in reqs], pol, cost, SimConfig(kv, 2048), tree)
+    result = _simulate_blend(reqs, [256] * n, toy_cost(), int(0.9 * n * (64 + 16 + 256)))
     return result.steps, result.preemptions
+
+
+def _simulate_blend(reqs: list, outs: list[int], cost, kv: int):
+    """blend on `reqs` whose outputs run `outs` tokens, in `kv` KV tokens at 2048-token steps."""
+    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
+    pol = BlendPolicy(reqs, tree=tree, cost_model=cost, kv_capacity_tokens=kv, step_tokens=2048)
+    return simulate([TraceEntry(r, o) for r, o in zip(reqs, outs)], pol, cost, SimConfig(kv, 2048),
+                    tree)
 
 
 @pytest.mark.parametrize("known", [True, False], ids=["known", "unknown"])
@@ -199,11 +203,7 @@ def _bimodal_run(cost, n: int = 120) -> tuple[int, int, float]:
     rng = np.random.default_rng(0)
     outs = [int(rng.integers(5, 31)) if rng.random() < 0.5 else 256 for _ in range(n)]
     reqs = [make_request(64, None, max_tokens=256) for _ in range(n)]
-    tree = PrefixTree.build([r.prompt_token_ids for r in reqs])
-    kv = int(0.7 * sum(64 + 16 + o for o in outs))
-    pol = BlendPolicy(reqs, tree=tree, cost_model=cost, kv_capacity_tokens=kv, step_tokens=2048)
-    result = simulate([TraceEntry(r, o) for r, o in zip(reqs, outs)], pol, cost, SimConfig(kv, 2048),
-                      tree)
+    result = _simulate_blend(reqs, outs, cost, int(0.7 * sum(64 + 16 + o for o in outs)))
     return result.steps, result.preemptions, result.makespan_s
 
 
