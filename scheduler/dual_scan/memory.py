@@ -113,10 +113,12 @@ def page_slack(prompt: np.ndarray | float, computed: np.ndarray | float) -> np.n
 # 1 the tail's growth preempted more (bimodal mean 0.9998x and 0.9996x, was 1.0009x).
 TAIL_SHARE = 0.5
 # ... where recomputing one of its requests (a preemption) costs at most this share of the
-# steps the tail would decode alone: on a 2-core CPU 0.1 (SmolLM2: 12 ms a step, 0.42 ms a
-# token), on a device whose steps cost little more than a token (tests' toy: 1.25) the tail's
-# preemptions cost more than its steps (fewer steps, 2-20% longer).
-TAIL_RECOMPUTE = 0.25
+# steps the tail would decode alone: 0.1 on a 2-core Zen 5 (SmolLM2: 9 ms a step, 0.32 ms a
+# token), 0.24-0.3 on a 2-core Emerald Rapids Xeon (18 ms, 1.4-1.7 ms), where 0.25 held
+# low_sharing 6x's tail (bimodal seed 3: 512 steps, 0.987x; started, 311 and 0.999x). On the
+# tests' toy the tail wins up to ~0.6 and loses at 1.25 (steps costing about a token: fewer
+# steps, longer in seconds).
+TAIL_RECOMPUTE = 0.5
 
 
 def small_tail(held: float, free: float, prompt: np.ndarray, order: np.ndarray, limit: np.ndarray,

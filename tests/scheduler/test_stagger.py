@@ -217,6 +217,12 @@ def test_a_small_tail_starts_where_a_preemption_costs_less_than_its_steps(monkey
     monkeypatch.setattr("scheduler.dual_scan.memory.TAIL_SHARE", 0.0)
     held, _, held_seconds = _bimodal_run(slow_steps)
     assert held > 480 and seconds < 0.95 * held_seconds
+    # Steps that cost 4x a token (a slow CPU's recompute is ~0.3 of the steps held): still.
+    monkeypatch.undo()
+    steps, preempted, seconds = _bimodal_run(toy_cost(bandwidth=2.5e11))
+    monkeypatch.setattr("scheduler.dual_scan.memory.TAIL_SHARE", 0.0)
+    held, _, held_seconds = _bimodal_run(toy_cost(bandwidth=2.5e11))
+    assert steps < 0.7 * 512 and preempted <= 4 and held > 480 and seconds < held_seconds
     # Steps that cost about a token: the preemptions would cost more than the steps saved.
     monkeypatch.undo()
     steps, preempted, _ = _bimodal_run(toy_cost())
