@@ -207,23 +207,26 @@ def _bimodal_run(cost, n: int = 120) -> tuple[int, int, float]:
     return result.steps, result.preemptions, result.makespan_s
 
 
-def test_a_small_tail_starts_where_a_preemption_costs_less_than_its_steps(monkeypatch):
+def _started_and_held(cost) -> tuple[int, int, float, int, float]:
+    """_bimodal_run as blend runs it (steps, preemptions, seconds), then with no tail ever
+    started (TAIL_SHARE 0: steps, seconds)."""
+    steps, preempted, seconds = _bimodal_run(cost)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("scheduler.dual_scan.memory.TAIL_SHARE", 0.0)
+        held, _, held_seconds = _bimodal_run(cost)
+    return steps, preempted, seconds, held, held_seconds
+
+
+def test_a_small_tail_starts_where_a_preemption_costs_less_than_its_steps():
     # Steps that cost 100x a token (a weights read; a CPU's are ~30x): the forecast would hold
     # the last requests until the long half ends, then they decode alone (512 steps); started,
     # a few are preempted, recompute and keep what they generated.
-    slow_steps = toy_cost(bandwidth=1e10)
-    steps, preempted, seconds = _bimodal_run(slow_steps)
+    steps, preempted, seconds, held, held_seconds = _started_and_held(toy_cost(bandwidth=1e10))
     assert steps < 0.7 * 512 and preempted <= 4
-    monkeypatch.setattr("scheduler.dual_scan.memory.TAIL_SHARE", 0.0)
-    held, _, held_seconds = _bimodal_run(slow_steps)
     assert held > 480 and seconds < 0.95 * held_seconds
     # Steps that cost 4x a token (a slow CPU's recompute is ~0.3 of the steps held): still.
-    monkeypatch.undo()
-    steps, preempted, seconds = _bimodal_run(toy_cost(bandwidth=2.5e11))
-    monkeypatch.setattr("scheduler.dual_scan.memory.TAIL_SHARE", 0.0)
-    held, _, held_seconds = _bimodal_run(toy_cost(bandwidth=2.5e11))
+    steps, preempted, seconds, held, held_seconds = _started_and_held(toy_cost(bandwidth=2.5e11))
     assert steps < 0.7 * 512 and preempted <= 4 and held > 480 and seconds < held_seconds
     # Steps that cost about a token: the preemptions would cost more than the steps saved.
-    monkeypatch.undo()
     steps, preempted, _ = _bimodal_run(toy_cost())
     assert steps > 480 and preempted == 0
